@@ -1,0 +1,35 @@
+"""fastls: compiled least-squares kernels for analytic learning.
+
+Gram accumulation (syrk), cross products (gemm), im2col and a streaming
+convolution Gram, Cholesky ridge and proximal solves, all float32/float64 with
+C- or Fortran-ordered inputs and the GIL released, plus core limits through
+threadpoolctl.
+"""
+
+from ._core import (
+    conv_gram_update,
+    conv_output_shape,
+    cross_update,
+    gram_update,
+    im2col,
+    proximal_solve,
+    ridge_solve,
+    symmetrize,
+)
+from ._threads import available_cores, blas_info, limit_cores
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "gram_update",
+    "cross_update",
+    "symmetrize",
+    "im2col",
+    "conv_output_shape",
+    "conv_gram_update",
+    "ridge_solve",
+    "proximal_solve",
+    "limit_cores",
+    "available_cores",
+    "blas_info",
+]

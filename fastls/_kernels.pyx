@@ -1,0 +1,460 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Typed kernels over SciPy's BLAS/LAPACK.
+
+These functions trust their arguments: shapes, dtypes, layouts and finiteness
+are checked by the public wrappers in ``fastls._core``. Every matrix is passed
+as a memoryview together with its layout (``rowmajor``) and leading dimension
+(``ld``), because a C-ordered NumPy matrix is the transpose of the Fortran
+matrix BLAS sees at the same address.
+"""
+
+from cython cimport floating
+from libc.string cimport memcpy, memset
+from libc.stdlib cimport malloc, free
+
+from scipy.linalg.cython_blas cimport ssyrk, dsyrk, sgemm, dgemm
+from scipy.linalg.cython_lapack cimport spotrf, dpotrf, spotrs, dpotrs
+
+
+# ---------------------------------------------------------------------------
+# Thin typed BLAS/LAPACK wrappers (fused over float32/float64)
+# ---------------------------------------------------------------------------
+
+cdef inline void _syrk(char uplo, char trans, int n, int k, floating alpha,
+                       floating *a, int lda, floating beta,
+                       floating *c, int ldc) noexcept nogil:
+    """C := alpha op(A) op(A)^T + beta C (one triangle)."""
+    if floating is float:
+        ssyrk(&uplo, &trans, &n, &k, &alpha, a, &lda, &beta, c, &ldc)
+    else:
+        dsyrk(&uplo, &trans, &n, &k, &alpha, a, &lda, &beta, c, &ldc)
+
+
+cdef inline void _gemm(char ta, char tb, int m, int n, int k, floating alpha,
+                       floating *a, int lda, floating *b, int ldb,
+                       floating beta, floating *c, int ldc) noexcept nogil:
+    """C := alpha op(A) op(B) + beta C."""
+    if floating is float:
+        sgemm(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc)
+    else:
+        dgemm(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc)
+
+
+cdef inline int _potrf(char uplo, int n, floating *a, int lda) noexcept nogil:
+    """A = U^T U (Cholesky, one triangle); returns LAPACK's info."""
+    cdef int info = 0
+    if floating is float:
+        spotrf(&uplo, &n, a, &lda, &info)
+    else:
+        dpotrf(&uplo, &n, a, &lda, &info)
+    return info
+
+
+cdef inline int _potrs(char uplo, int n, int nrhs, floating *a, int lda,
+                       floating *b, int ldb) noexcept nogil:
+    """B := A^-1 B given the Cholesky factor of A; returns LAPACK's info."""
+    cdef int info = 0
+    if floating is float:
+        spotrs(&uplo, &n, &nrhs, a, &lda, b, &ldb, &info)
+    else:
+        dpotrs(&uplo, &n, &nrhs, a, &lda, b, &ldb, &info)
+    return info
+
+
+# ---------------------------------------------------------------------------
+# Products on (pointer, layout, leading dimension) descriptions
+# ---------------------------------------------------------------------------
+
+cdef inline floating *_at(floating *base, bint rowmajor, Py_ssize_t ld,
+                          Py_ssize_t row, Py_ssize_t col) noexcept nogil:
+    """Address of element (row, col) of a NumPy-indexed matrix."""
+    if rowmajor:
+        return base + row * ld + col
+    return base + row + col * ld
+
+
+cdef inline void _syrk_tn(floating *x, bint x_rowmajor, int ldx, int k, int n,
+                          floating beta, floating *out, bint out_rowmajor,
+                          int ldo) noexcept nogil:
+    """out := beta out + X^T X on the upper triangle of out (NumPy indexing).
+
+    X is k x n (NumPy indexing). A row-major X is the Fortran matrix X^T.
+    A row-major out is Fortran out^T, whose lower triangle is our upper one.
+    """
+    cdef char uplo = b'L' if out_rowmajor else b'U'
+    cdef char trans = b'N' if x_rowmajor else b'T'
+    _syrk(uplo, trans, n, k, <floating>1.0, x, ldx, beta, out, ldo)
+
+
+cdef inline void _gemm_tn(floating *lhs, bint l_rowmajor, int ldl,
+                          floating *rhs, bint r_rowmajor, int ldr,
+                          int k, int p, int q, floating beta,
+                          floating *out, bint out_rowmajor, int ldo) noexcept nogil:
+    """out := beta out + L^T R with L k x p and R k x q (NumPy indexing)."""
+    cdef char ta, tb
+    if out_rowmajor:
+        # Fortran sees out^T = R^T L: swap the operands.
+        _gemm_tn(rhs, r_rowmajor, ldr, lhs, l_rowmajor, ldl, k, q, p, beta,
+                 out, False, ldo)
+        return
+    ta = b'N' if l_rowmajor else b'T'
+    tb = b'T' if r_rowmajor else b'N'
+    _gemm(ta, tb, p, q, k, <floating>1.0, lhs, ldl, rhs, ldr, beta, out, ldo)
+
+
+cdef inline void _add_tile(double *out, bint out_rowmajor, Py_ssize_t ldo,
+                           Py_ssize_t i0, Py_ssize_t j0, float *tile,
+                           Py_ssize_t ti, Py_ssize_t tj, bint upper_only) noexcept nogil:
+    """out[i0:i0+ti, j0:j0+tj] += tile (Fortran ti x tj), widening to float64."""
+    cdef Py_ssize_t a, b, a_end
+    if out_rowmajor:
+        for a in range(ti):
+            for b in range(a if upper_only else 0, tj):
+                out[(i0 + a) * ldo + j0 + b] += tile[a + b * ti]
+    else:
+        for b in range(tj):
+            a_end = b + 1 if upper_only else ti
+            for a in range(a_end):
+                out[i0 + a + (j0 + b) * ldo] += tile[a + b * ti]
+
+
+cdef void _mixed_tn(float *lhs, bint l_rowmajor, int ldl,
+                    float *rhs, bint r_rowmajor, int ldr,
+                    Py_ssize_t k, Py_ssize_t p, Py_ssize_t q, bint symmetric,
+                    double *out, bint out_rowmajor, int ldo,
+                    Py_ssize_t block_rows, Py_ssize_t tile, float *scratch) noexcept nogil:
+    """out += L^T R in float64 from float32 L, R through float32 tiles.
+
+    Products run in float32 BLAS over at most ``block_rows`` rows at a time,
+    so the float32 rounding error grows with block_rows, not with k; each
+    tile is then widened and added to out. With ``symmetric`` (L is R) only
+    the upper triangle of out is computed, diagonal tiles through syrk.
+    """
+    cdef Py_ssize_t r0 = 0, kb, i0, j0, ti, tj
+    cdef float *l_blk
+    cdef float *r_blk
+    # while loops: Cython compiles range() with a runtime step to Python.
+    while r0 < k:
+        kb = min(block_rows, k - r0)
+        i0 = 0
+        while i0 < p:
+            ti = min(tile, p - i0)
+            l_blk = _at(lhs, l_rowmajor, ldl, r0, i0)
+            j0 = i0 if symmetric else 0
+            while j0 < q:
+                tj = min(tile, q - j0)
+                r_blk = _at(rhs, r_rowmajor, ldr, r0, j0)
+                if symmetric and i0 == j0:
+                    _syrk_tn(l_blk, l_rowmajor, ldl, <int>kb, <int>ti,
+                             <float>0.0, scratch, False, <int>ti)
+                else:
+                    _gemm_tn(l_blk, l_rowmajor, ldl, r_blk, r_rowmajor, ldr,
+                             <int>kb, <int>ti, <int>tj, <float>0.0,
+                             scratch, False, <int>ti)
+                _add_tile(out, out_rowmajor, ldo, i0, j0, scratch, ti, tj,
+                          symmetric and i0 == j0)
+                j0 += tile
+            i0 += tile
+        r0 += block_rows
+
+
+# ---------------------------------------------------------------------------
+# Gram and cross-product updates
+# ---------------------------------------------------------------------------
+
+def gram_same(floating[:, :] G, bint g_rowmajor, int ldg,
+              const floating[:, :] X, bint x_rowmajor, int ldx):
+    """G += X^T X (upper triangle), G and X of one dtype."""
+    cdef int k = X.shape[0], n = X.shape[1]
+    with nogil:
+        _syrk_tn(<floating *>&X[0, 0], x_rowmajor, ldx, k, n, <floating>1.0,
+                 &G[0, 0], g_rowmajor, ldg)
+
+
+def cross_same(floating[:, :] C, bint c_rowmajor, int ldc,
+               const floating[:, :] X, bint x_rowmajor, int ldx,
+               const floating[:, :] Z, bint z_rowmajor, int ldz):
+    """C += X^T Z, all of one dtype."""
+    cdef int k = X.shape[0], p = X.shape[1], q = Z.shape[1]
+    with nogil:
+        _gemm_tn(<floating *>&X[0, 0], x_rowmajor, ldx,
+                 <floating *>&Z[0, 0], z_rowmajor, ldz, k, p, q,
+                 <floating>1.0, &C[0, 0], c_rowmajor, ldc)
+
+
+def gram_mixed(double[:, :] G, bint g_rowmajor, int ldg,
+               const float[:, :] X, bint x_rowmajor, int ldx,
+               Py_ssize_t block_rows, Py_ssize_t tile):
+    """G += X^T X (upper triangle), float32 X into float64 G."""
+    _mixed(G, g_rowmajor, ldg, X, x_rowmajor, ldx, X, x_rowmajor, ldx, True,
+           block_rows, tile)
+
+
+def cross_mixed(double[:, :] C, bint c_rowmajor, int ldc,
+                const float[:, :] X, bint x_rowmajor, int ldx,
+                const float[:, :] Z, bint z_rowmajor, int ldz,
+                Py_ssize_t block_rows, Py_ssize_t tile):
+    """C += X^T Z, float32 X and Z into float64 C."""
+    _mixed(C, c_rowmajor, ldc, X, x_rowmajor, ldx, Z, z_rowmajor, ldz, False,
+           block_rows, tile)
+
+
+cdef _mixed(double[:, :] out, bint out_rowmajor, int ldo,
+            const float[:, :] L, bint l_rowmajor, int ldl,
+            const float[:, :] R, bint r_rowmajor, int ldr, bint symmetric,
+            Py_ssize_t block_rows, Py_ssize_t tile):
+    cdef Py_ssize_t p = L.shape[1], q = R.shape[1]
+    cdef Py_ssize_t ti = min(tile, p), tj = min(tile, q)
+    cdef float *scratch = <float *>malloc(ti * tj * sizeof(float))
+    if scratch == NULL:
+        raise MemoryError(f"cannot allocate a {ti} x {tj} float32 tile")
+    try:
+        with nogil:
+            _mixed_tn(<float *>&L[0, 0], l_rowmajor, ldl,
+                      <float *>&R[0, 0], r_rowmajor, ldr,
+                      L.shape[0], p, q, symmetric, &out[0, 0], out_rowmajor,
+                      ldo, block_rows, tile, scratch)
+    finally:
+        free(scratch)
+
+
+# ---------------------------------------------------------------------------
+# Patches of NHWC images
+# ---------------------------------------------------------------------------
+
+cdef void _patch_rows(const floating[:, :, :, ::1] images, Py_ssize_t row0,
+                      Py_ssize_t n_rows, Py_ssize_t kh, Py_ssize_t kw,
+                      Py_ssize_t sh, Py_ssize_t sw, Py_ssize_t ph,
+                      Py_ssize_t pw, Py_ssize_t out_h, Py_ssize_t out_w,
+                      bint append_ones, floating *dst, Py_ssize_t ld) noexcept nogil:
+    """Write patch rows row0 .. row0+n_rows-1 (ordered image, y, x) into dst.
+
+    A patch row lists (ky, kx, channel) with channel fastest, so a kernel
+    row that lies inside the image is one contiguous run of kw * channels
+    values in NHWC memory: one memcpy.
+    """
+    cdef Py_ssize_t H = images.shape[1], W = images.shape[2], Cin = images.shape[3]
+    cdef Py_ssize_t per_image = out_h * out_w, run = kw * Cin
+    cdef Py_ssize_t r, img, pos, oy, ox, ky, kx, iy, ix, x_lo, x_hi
+    cdef floating *row
+    cdef floating *seg
+    for r in range(n_rows):
+        img = (row0 + r) // per_image
+        pos = (row0 + r) % per_image
+        oy = pos // out_w
+        ox = pos % out_w
+        row = dst + r * ld
+        for ky in range(kh):
+            iy = oy * sh - ph + ky
+            seg = row + ky * run
+            if iy < 0 or iy >= H:
+                memset(seg, 0, run * sizeof(floating))
+                continue
+            ix = ox * sw - pw
+            if ix >= 0 and ix + kw <= W:
+                memcpy(seg, &images[img, iy, ix, 0], run * sizeof(floating))
+                continue
+            # Kernel row crosses the left or right border: zero the outside.
+            x_lo = max(0, -ix)
+            x_hi = min(kw, W - ix)
+            memset(seg, 0, run * sizeof(floating))
+            if x_hi > x_lo:
+                memcpy(seg + x_lo * Cin, &images[img, iy, ix + x_lo, 0],
+                       (x_hi - x_lo) * Cin * sizeof(floating))
+        if append_ones:
+            row[kh * run] = 1
+
+
+def im2col_into(const floating[:, :, :, ::1] images, floating[:, ::1] out,
+                Py_ssize_t kh, Py_ssize_t kw, Py_ssize_t sh, Py_ssize_t sw,
+                Py_ssize_t ph, Py_ssize_t pw, Py_ssize_t out_h,
+                Py_ssize_t out_w, bint append_ones):
+    """out[r] = patch r of the batch (rows ordered image, y, x)."""
+    with nogil:
+        _patch_rows(images, 0, out.shape[0], kh, kw, sh, sw, ph, pw, out_h,
+                    out_w, append_ones, &out[0, 0], out.shape[1])
+
+
+def conv_stats_same(floating[:, :] G, bint g_rowmajor, int ldg,
+                    floating[:, :] C, bint c_rowmajor, int ldc,
+                    const floating[:, :, :, ::1] images,
+                    const floating[:, ::1] targets, bint per_image_targets,
+                    floating[:, ::1] scratch, floating[:, ::1] sums,
+                    Py_ssize_t kh, Py_ssize_t kw, Py_ssize_t sh, Py_ssize_t sw,
+                    Py_ssize_t ph, Py_ssize_t pw, Py_ssize_t out_h,
+                    Py_ssize_t out_w, bint append_ones):
+    """G += P^T P and C += P^T T over the patch matrix P, chunk by chunk."""
+    _conv_stats(&G[0, 0], g_rowmajor, ldg, &C[0, 0], c_rowmajor, ldc, images,
+                targets, per_image_targets, scratch, sums, kh, kw, sh, sw, ph,
+                pw, out_h, out_w, append_ones, NULL, NULL, 0, 0)
+
+
+def conv_stats_mixed(double[:, :] G, bint g_rowmajor, int ldg,
+                     double[:, :] C, bint c_rowmajor, int ldc,
+                     const float[:, :, :, ::1] images,
+                     const float[:, ::1] targets, bint per_image_targets,
+                     float[:, ::1] scratch, float[:, ::1] sums,
+                     Py_ssize_t kh, Py_ssize_t kw, Py_ssize_t sh, Py_ssize_t sw,
+                     Py_ssize_t ph, Py_ssize_t pw, Py_ssize_t out_h,
+                     Py_ssize_t out_w, bint append_ones,
+                     Py_ssize_t block_rows, Py_ssize_t tile):
+    """As conv_stats_same, float32 patches accumulated into float64 G and C."""
+    _conv_stats(<float *>NULL, g_rowmajor, ldg, <float *>NULL, c_rowmajor,
+                ldc, images, targets, per_image_targets, scratch, sums, kh, kw,
+                sh, sw, ph, pw, out_h, out_w, append_ones, &G[0, 0], &C[0, 0],
+                block_rows, tile)
+
+
+cdef _conv_stats(floating *G, bint g_rowmajor, int ldg,
+                 floating *C, bint c_rowmajor, int ldc,
+                 const floating[:, :, :, ::1] images,
+                 const floating[:, ::1] targets, bint per_image_targets,
+                 floating[:, ::1] scratch, floating[:, ::1] sums,
+                 Py_ssize_t kh, Py_ssize_t kw, Py_ssize_t sh, Py_ssize_t sw,
+                 Py_ssize_t ph, Py_ssize_t pw, Py_ssize_t out_h,
+                 Py_ssize_t out_w, bint append_ones,
+                 double *G64, double *C64,
+                 Py_ssize_t block_rows, Py_ssize_t tile):
+    """Shared chunk loop; non-NULL G64/C64 means the float32-into-float64 path.
+
+    With per-image targets t_b (the encoded label, equal at every output
+    position), sum_p P_bp^T t_b = (sum_p P_bp)^T t_b, so the cross term
+    needs the per-image patch sums, not a target row per patch.
+    """
+    cdef Py_ssize_t n_images = images.shape[0]
+    cdef Py_ssize_t per_image = out_h * out_w
+    cdef Py_ssize_t total = n_images * per_image
+    cdef Py_ssize_t d = scratch.shape[1], m = targets.shape[1]
+    cdef Py_ssize_t cap = scratch.shape[0], cap_sums = sums.shape[0]
+    cdef Py_ssize_t row0 = 0, n_rows, r, j, img, first_img, n_sum_rows
+    cdef bint mixed = G64 != NULL
+    cdef float *tile_buf = NULL
+    cdef floating *src
+    cdef floating *acc
+    if mixed:
+        tile_buf = <float *>malloc(min(tile, d) * min(tile, d) * sizeof(float))
+        if tile_buf == NULL:
+            raise MemoryError("cannot allocate the float32 tile")
+    try:
+        with nogil:
+            first_img = 0      # image held in sums row 0
+            n_sum_rows = 0     # sums rows in use
+            while row0 < total:
+                n_rows = min(cap, total - row0)
+                if per_image_targets:
+                    # Flush the patch sums when this chunk could run past them.
+                    img = (row0 + n_rows - 1) // per_image
+                    if img - first_img >= cap_sums:
+                        _flush_sums(C, c_rowmajor, ldc, C64, targets, sums,
+                                    first_img, n_sum_rows, block_rows, tile,
+                                    tile_buf)
+                        first_img = row0 // per_image
+                        n_sum_rows = 0
+                        memset(&sums[0, 0], 0, cap_sums * d * sizeof(floating))
+                        img = (row0 + n_rows - 1) // per_image
+                        if img - first_img >= cap_sums:
+                            n_rows = (first_img + cap_sums) * per_image - row0
+                _patch_rows(images, row0, n_rows, kh, kw, sh, sw, ph, pw,
+                            out_h, out_w, append_ones, &scratch[0, 0], d)
+                if mixed:
+                    _mixed_tn(<float *>&scratch[0, 0], True, <int>d,
+                              <float *>&scratch[0, 0], True, <int>d, n_rows, d,
+                              d, True, G64, g_rowmajor, ldg,
+                              block_rows, tile, tile_buf)
+                else:
+                    _syrk_tn(&scratch[0, 0], True, <int>d, <int>n_rows, <int>d,
+                             <floating>1.0, G, g_rowmajor, ldg)
+                if per_image_targets:
+                    for r in range(n_rows):
+                        img = (row0 + r) // per_image - first_img
+                        src = &scratch[r, 0]
+                        acc = &sums[img, 0]
+                        for j in range(d):
+                            acc[j] += src[j]
+                    n_sum_rows = (row0 + n_rows - 1) // per_image - first_img + 1
+                elif mixed:
+                    _mixed_tn(<float *>&scratch[0, 0], True, <int>d,
+                              <float *>&targets[row0, 0], True, <int>m, n_rows,
+                              d, m, False, C64, c_rowmajor, ldc,
+                              block_rows, tile, tile_buf)
+                else:
+                    _gemm_tn(&scratch[0, 0], True, <int>d,
+                             <floating *>&targets[row0, 0], True, <int>m,
+                             <int>n_rows, <int>d, <int>m, <floating>1.0,
+                             C, c_rowmajor, ldc)
+                row0 += n_rows
+            if per_image_targets and n_sum_rows > 0:
+                _flush_sums(C, c_rowmajor, ldc, C64, targets, sums, first_img,
+                            n_sum_rows, block_rows, tile, tile_buf)
+    finally:
+        free(tile_buf)
+
+
+cdef void _flush_sums(floating *C, bint c_rowmajor, int ldc,
+                      double *C64, const floating[:, ::1] targets,
+                      floating[:, ::1] sums, Py_ssize_t first_img,
+                      Py_ssize_t n_rows, Py_ssize_t block_rows,
+                      Py_ssize_t tile, float *tile_buf) noexcept nogil:
+    """C += sums[:n_rows]^T targets[first_img:first_img+n_rows]."""
+    cdef Py_ssize_t d = sums.shape[1], m = targets.shape[1]
+    if n_rows <= 0:
+        return
+    if floating is float:
+        if tile_buf != NULL:
+            _mixed_tn(&sums[0, 0], True, <int>d,
+                      <float *>&targets[first_img, 0], True, <int>m, n_rows,
+                      d, m, False, C64, c_rowmajor, ldc, block_rows,
+                      tile, tile_buf)
+            return
+    _gemm_tn(&sums[0, 0], True, <int>d,
+             <floating *>&targets[first_img, 0], True, <int>m, <int>n_rows,
+             <int>d, <int>m, <floating>1.0, C, c_rowmajor, ldc)
+
+
+# ---------------------------------------------------------------------------
+# Symmetric positive definite solves
+# ---------------------------------------------------------------------------
+
+def add_diagonal(floating[:, :] A, double shift):
+    """A[i, i] += shift."""
+    cdef Py_ssize_t i
+    with nogil:
+        for i in range(A.shape[0]):
+            A[i, i] += <floating>shift
+
+
+def cholesky_solve(floating[:, :] A, bint a_rowmajor, int lda,
+                   floating[::1, :] B):
+    """B := A^-1 B for symmetric positive definite A (upper triangle read).
+
+    A is overwritten by its Cholesky factor. Returns LAPACK's info: 0 on
+    success, j > 0 when the leading minor of order j is not positive.
+    """
+    cdef char uplo = b'L' if a_rowmajor else b'U'
+    cdef int n = A.shape[0], nrhs = B.shape[1], info
+    with nogil:
+        info = _potrf(uplo, n, &A[0, 0], lda)
+        if info == 0 and nrhs > 0:
+            info = _potrs(uplo, n, nrhs, &A[0, 0], lda, &B[0, 0], n)
+    return info
+
+
+# ---------------------------------------------------------------------------
+# Validation helpers
+# ---------------------------------------------------------------------------
+
+def all_finite(const floating[:, :] A):
+    """True when no entry of A is NaN or +-Inf (no temporary array)."""
+    cdef Py_ssize_t i, j
+    cdef floating v
+    cdef bint ok = True
+    with nogil:
+        for i in range(A.shape[0]):
+            for j in range(A.shape[1]):
+                v = A[i, j]
+                if v - v != 0:   # NaN and +-Inf give NaN here
+                    ok = False
+                    break
+            if not ok:
+                break
+    return ok

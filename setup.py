@@ -1,0 +1,18 @@
+"""Build the Cython kernels of fastls against SciPy's BLAS/LAPACK.
+
+No BLAS is linked here: scipy.linalg.cython_blas/cython_lapack hand out the
+function pointers of the BLAS that SciPy itself loads.
+"""
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+extensions = [
+    Extension(
+        "fastls._kernels",
+        ["fastls/_kernels.pyx"],
+        extra_compile_args=["-O3"],
+    )
+]
+
+setup(ext_modules=cythonize(extensions, compiler_directives={"language_level": "3"}))

@@ -1,0 +1,412 @@
+"""fastls kernels against NumPy float64 references on fresh random inputs."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastls
+from conftest import assert_close
+
+DTYPES = [np.float32, np.float64]
+ORDERS = ["C", "F"]
+SHAPES = [(1, 1), (0, 5), (3, 8), (50, 1), (200, 17), (1000, 64)]
+
+
+def random(rng, shape, dtype, order="C"):
+    return np.asarray(rng.standard_normal(shape), dtype=dtype, order=order)
+
+
+def upper(A):
+    return np.triu(np.asarray(A, dtype=np.float64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("x_order", ORDERS)
+@pytest.mark.parametrize("g_order", ORDERS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gram_update_matches_numpy(rng, dtype, x_order, g_order, shape):
+    X = random(rng, shape, dtype, x_order)
+    G0 = random(rng, (shape[1], shape[1]), dtype, g_order)
+    G = G0.copy(order=g_order)
+    out = fastls.gram_update(G, X)
+    assert out is G
+    X64 = X.astype(np.float64)
+    assert_close(upper(G), upper(G0.astype(np.float64) + X64.T @ X64), dtype, shape[0])
+    # The strict lower triangle is never touched.
+    np.testing.assert_array_equal(np.tril(G, -1), np.tril(G0, -1))
+
+
+@pytest.mark.parametrize("x_order", ORDERS)
+@pytest.mark.parametrize("g_order", ORDERS)
+@pytest.mark.parametrize("shape,block_rows", [((1, 1), 1), ((300, 40), 7), ((2500, 130), 1000), ((64, 2100), 50)])
+def test_gram_update_float32_into_float64(rng, x_order, g_order, shape, block_rows):
+    X = random(rng, shape, np.float32, x_order)
+    G = np.zeros((shape[1], shape[1]), np.float64, order=g_order)
+    fastls.gram_update(G, X, block_rows=block_rows)
+    X64 = X.astype(np.float64)
+    # float32 rounding only within a block of block_rows rows.
+    assert_close(upper(G), upper(X64.T @ X64), np.float32, min(block_rows, shape[0]))
+    assert G.dtype == np.float64
+    np.testing.assert_array_equal(np.tril(G, -1), 0)
+
+
+def test_gram_update_mixed_beats_float32_accumulation(rng):
+    # Rows with a large common offset make float32 accumulation over many rows lose digits.
+    X = (rng.standard_normal((20000, 8)) + 30).astype(np.float32)
+    X64 = X.astype(np.float64)
+    ref = upper(X64.T @ X64)
+    G32 = fastls.gram_update(np.zeros((8, 8), np.float32), X)
+    G64 = fastls.gram_update(np.zeros((8, 8)), X, block_rows=256)
+    err32 = np.abs(upper(G32) - ref).max()
+    err64 = np.abs(upper(G64) - ref).max()
+    assert err64 < err32
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(0, 120),
+    d=st.integers(1, 12),
+    cuts=st.lists(st.integers(0, 120), max_size=6),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_gram_streaming_over_row_blocks_equals_one_call(n, d, cuts, dtype, seed):
+    rng = np.random.default_rng(seed)
+    X = random(rng, (n, d), dtype)
+    Z = random(rng, (n, 3), dtype)
+    whole_G = fastls.gram_update(np.zeros((d, d), dtype), X)
+    whole_C = fastls.cross_update(np.zeros((d, 3), dtype), X, Z)
+    G, C = np.zeros((d, d), dtype), np.zeros((d, 3), dtype)
+    bounds = [0, *sorted(min(c, n) for c in cuts), n]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        fastls.gram_update(G, X[a:b])
+        fastls.cross_update(C, X[a:b], Z[a:b])
+    assert_close(upper(G), upper(whole_G), dtype, max(n, 1))
+    assert_close(C, whole_C, dtype, max(n, 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("orders", [("C", "C", "C"), ("F", "F", "F"), ("C", "F", "C"), ("F", "C", "F")])
+@pytest.mark.parametrize("n,d,m", [(1, 1, 1), (0, 3, 2), (5, 9, 4), (400, 33, 10), (2, 70, 1)])
+def test_cross_update_matches_numpy(rng, dtype, orders, n, d, m):
+    c_order, x_order, z_order = orders
+    X = random(rng, (n, d), dtype, x_order)
+    Z = random(rng, (n, m), dtype, z_order)
+    C0 = random(rng, (d, m), dtype, c_order)
+    C = C0.copy(order=c_order)
+    assert fastls.cross_update(C, X, Z) is C
+    assert_close(C, C0.astype(np.float64) + X.astype(np.float64).T @ Z.astype(np.float64), dtype, n)
+
+
+@pytest.mark.parametrize("c_order", ORDERS)
+def test_cross_update_float32_into_float64(rng, c_order):
+    X = random(rng, (3000, 2100), np.float32)[:, :2050]  # non-contiguous input is copied
+    Z = random(rng, (3000, 7), np.float32, "F")
+    C = np.zeros((2050, 7), order=c_order)
+    fastls.cross_update(C, X, Z, block_rows=900)
+    assert_close(C, X.astype(np.float64).T @ Z.astype(np.float64), np.float32, 900)
+
+
+def test_symmetrize(rng):
+    A = rng.standard_normal((6, 6))
+    full = fastls.symmetrize(A)
+    np.testing.assert_array_equal(full, np.triu(A) + np.triu(A, 1).T)
+    fastls.symmetrize(A, inplace=True)
+    np.testing.assert_array_equal(A, full)
+
+
+# ---------------------------------------------------------------------------
+# im2col and the streaming convolution Gram
+# ---------------------------------------------------------------------------
+
+def reference_im2col(images, k, s, p, append_ones):
+    B, H, W, C = images.shape
+    padded = np.zeros((B, H + 2 * p[0], W + 2 * p[1], C))
+    padded[:, p[0]:p[0] + H, p[1]:p[1] + W] = images
+    out_h = (H + 2 * p[0] - k[0]) // s[0] + 1
+    out_w = (W + 2 * p[1] - k[1]) // s[1] + 1
+    rows = []
+    for b in range(B):
+        for y in range(out_h):
+            for x in range(out_w):
+                patch = padded[b, y * s[0]:y * s[0] + k[0], x * s[1]:x * s[1] + k[1], :].reshape(-1)
+                rows.append(np.append(patch, 1.0) if append_ones else patch)
+    return np.array(rows).reshape(B * out_h * out_w, -1)
+
+
+CONV_CASES = [
+    # (B, H, W, C), kernel, stride, padding
+    ((2, 5, 5, 1), (3, 3), (1, 1), (0, 0)),
+    ((3, 6, 7, 2), (3, 3), (1, 1), (1, 1)),
+    ((2, 8, 8, 3), (5, 5), (2, 2), (2, 2)),
+    ((1, 4, 9, 4), (2, 3), (1, 2), (0, 1)),
+    ((4, 3, 3, 2), (3, 3), (1, 1), (2, 2)),  # padding wider than half the kernel
+    ((2, 1, 1, 3), (1, 1), (1, 1), (0, 0)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,k,s,p", CONV_CASES)
+@pytest.mark.parametrize("append_ones", [False, True])
+def test_im2col_matches_reference(rng, dtype, shape, k, s, p, append_ones):
+    images = random(rng, shape, dtype)
+    P = fastls.im2col(images, k, stride=s, padding=p, append_ones=append_ones)
+    assert P.dtype == dtype and P.flags.c_contiguous
+    np.testing.assert_array_equal(P, reference_im2col(images.astype(np.float64), k, s, p, append_ones).astype(dtype))
+    assert P.shape[0] == shape[0] * np.prod(fastls.conv_output_shape(shape[1:3], k, s, p))
+
+
+def test_im2col_same_padding_keeps_size(rng):
+    images = random(rng, (2, 7, 6, 3), np.float64)
+    P = fastls.im2col(images, 3, padding="same")
+    assert P.shape == (2 * 7 * 6, 27)
+    np.testing.assert_array_equal(P, reference_im2col(images, (3, 3), (1, 1), (1, 1), False))
+
+
+@pytest.mark.parametrize("images_dtype,g_dtype", [(np.float32, np.float32), (np.float64, np.float64), (np.float32, np.float64)])
+@pytest.mark.parametrize("shape,k,s,p", CONV_CASES)
+@pytest.mark.parametrize("per_image", [True, False])
+@pytest.mark.parametrize("scratch_rows", [1, 3, 1000])
+def test_conv_gram_update_matches_im2col(rng, images_dtype, g_dtype, shape, k, s, p, per_image, scratch_rows):
+    images = random(rng, shape, images_dtype)
+    out_h, out_w = fastls.conv_output_shape(shape[1:3], k, s, p)
+    m = 4
+    targets = random(rng, (shape[0], m) if per_image else (shape[0], out_h, out_w, m), images_dtype)
+    P = reference_im2col(images.astype(np.float64), k, s, p, True)
+    T = np.repeat(targets.astype(np.float64), out_h * out_w, axis=0) if per_image else targets.reshape(-1, m).astype(np.float64)
+    d = P.shape[1]
+    G0, C0 = random(rng, (d, d), g_dtype, "F"), random(rng, (d, m), g_dtype)
+    G, C = G0.copy(order="F"), C0.copy()
+    itemsize = np.dtype(images_dtype).itemsize
+    tile = min(2048, d) ** 2 * 4 if images_dtype != g_dtype else 0
+    # A budget of about scratch_rows patch rows (plus the patch-sum rows).
+    budget = tile + (scratch_rows + (scratch_rows // (out_h * out_w) + 3)) * d * itemsize
+    fastls.conv_gram_update(G, C, images, targets, k, stride=s, padding=p, append_ones=True,
+                            scratch_bytes=budget, block_rows=5)
+    n_terms = P.shape[0]
+    assert_close(upper(G), upper(G0.astype(np.float64) + P.T @ P), images_dtype, n_terms)
+    assert_close(C, C0.astype(np.float64) + P.T @ T, images_dtype, n_terms)
+
+
+def test_conv_gram_update_rejects_tiny_scratch(rng):
+    images = random(rng, (2, 6, 6, 4), np.float64)
+    G, C = np.zeros((36, 36)), np.zeros((36, 2))
+    with pytest.raises(ValueError, match="scratch_bytes"):
+        fastls.conv_gram_update(G, C, images, np.ones((2, 2)), 3, scratch_bytes=100)
+    np.testing.assert_array_equal(G, 0)
+
+
+# ---------------------------------------------------------------------------
+# Solves
+# ---------------------------------------------------------------------------
+
+def spd_system(rng, n, d, m, dtype, order="C"):
+    X = rng.standard_normal((n, d))
+    G = np.asarray(X.T @ X, dtype=dtype, order=order)
+    C = np.asarray(X.T @ rng.standard_normal((n, m)), dtype=dtype, order=order)
+    return G, C
+
+
+def solve_tolerance(dtype, G, shift):
+    # Backward-stable Cholesky: relative error ~ eps * condition number.
+    evals = np.linalg.eigvalsh(G.astype(np.float64)) + shift
+    return 100 * np.finfo(dtype).eps * evals.max() / evals.min()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("n,d,m", [(5, 1, 1), (3, 8, 2), (200, 30, 5), (50, 120, 10), (0, 4, 3)])
+def test_ridge_solve_matches_numpy(rng, dtype, order, n, d, m):
+    G, C = spd_system(rng, n, d, m, dtype, order)
+    gamma = 0.7
+    G_before, C_before = G.copy(), C.copy()
+    W = fastls.ridge_solve(np.triu(G).astype(dtype, order=order), C, gamma)
+    ref = np.linalg.solve(G.astype(np.float64) + gamma * np.eye(d), C.astype(np.float64))
+    err = np.abs(W - ref).max() / max(np.abs(ref).max(), 1e-300)
+    assert W.dtype == dtype and W.shape == (d, m)
+    assert err <= solve_tolerance(dtype, G, gamma)
+    np.testing.assert_array_equal(G, G_before)
+    np.testing.assert_array_equal(C, C_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("order", ORDERS)
+def test_ridge_solve_overwrite_reuses_memory(rng, dtype, order):
+    G, _ = spd_system(rng, 100, 20, 3, dtype, order)
+    C = np.asfortranarray(rng.standard_normal((20, 3)).astype(dtype))
+    G_before = G.copy()
+    ref = np.linalg.solve(G.astype(np.float64) + 2 * np.eye(20), C.astype(np.float64))
+    tol = solve_tolerance(dtype, G, 2.0)
+    W = fastls.ridge_solve(G, C, 2.0, overwrite_g=True, overwrite_c=True)
+    assert np.shares_memory(W, C)
+    assert np.abs(W - ref).max() <= tol * np.abs(ref).max()
+    assert not np.array_equal(G, G_before)  # G now holds the Cholesky factor
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_proximal_solve_matches_numpy(rng, dtype):
+    G, C = spd_system(rng, 40, 25, 6, dtype)
+    M = rng.standard_normal((25, 6)).astype(dtype)
+    eps = 3.0
+    W = fastls.proximal_solve(G, C, eps, M)
+    ref = np.linalg.solve(G.astype(np.float64) + eps * np.eye(25), C.astype(np.float64) + eps * M.astype(np.float64))
+    assert np.abs(W - ref).max() / np.abs(ref).max() <= solve_tolerance(dtype, G, eps)
+
+
+def test_proximal_solve_is_the_minimizer(rng):
+    X, Z = rng.standard_normal((30, 6)), rng.standard_normal((30, 2))
+    M, eps = rng.standard_normal((6, 2)), 5.0
+    W = fastls.proximal_solve(X.T @ X, X.T @ Z, eps, M)
+    # Gradient of ||Z - XW||^2 + eps ||W - M||^2 vanishes at the solution.
+    grad = -2 * X.T @ (Z - X @ W) + 2 * eps * (W - M)
+    assert np.abs(grad).max() < 1e-10
+
+
+def test_ridge_solve_indefinite_raises_with_hint(rng):
+    G = -np.eye(4) * 10
+    C = rng.standard_normal((4, 2))
+    with pytest.raises(np.linalg.LinAlgError, match="gamma") as info:
+        fastls.ridge_solve(G, C, 1.0)
+    assert "on_failure='eigh'" in str(info.value)
+
+
+def test_ridge_solve_eigh_fallback(rng):
+    # Indefinite after the shift: Cholesky fails; eigh keeps the positive eigenvalues (pseudo-inverse).
+    V = np.linalg.qr(rng.standard_normal((5, 5)))[0]
+    G = V @ np.diag([3.0, 2.0, 1.0, -0.5, -1.5]) @ V.T
+    C = rng.standard_normal((5, 2))
+    with pytest.warns(RuntimeWarning, match="eigh"):
+        W = fastls.ridge_solve(G, C, 1.0, on_failure="eigh")
+    shifted = np.diag([4.0, 3.0, 2.0, 0.5, 0.0])
+    ref = V @ np.linalg.pinv(shifted) @ V.T @ C
+    np.testing.assert_allclose(W, ref, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------
+
+def test_bad_dtype():
+    with pytest.raises(TypeError, match="float32 or float64"):
+        fastls.gram_update(np.zeros((2, 2)), np.ones((3, 2), dtype=np.int64))
+    with pytest.raises(TypeError, match="lose precision"):
+        fastls.gram_update(np.zeros((2, 2), np.float32), np.ones((3, 2)))
+    with pytest.raises(TypeError, match="share a dtype"):
+        fastls.cross_update(np.zeros((2, 1)), np.ones((3, 2)), np.ones((3, 1), np.float32))
+
+
+def test_bad_shapes():
+    with pytest.raises(ValueError, match=r"\(3, 3\)"):
+        fastls.gram_update(np.zeros((2, 2)), np.ones((4, 3)))
+    with pytest.raises(ValueError, match="same number of rows"):
+        fastls.cross_update(np.zeros((3, 1)), np.ones((4, 3)), np.ones((5, 1)))
+    with pytest.raises(ValueError, match="2-dimensional"):
+        fastls.gram_update(np.zeros((3, 3)), np.ones(3))
+    with pytest.raises(ValueError, match="square"):
+        fastls.ridge_solve(np.ones((3, 2)), np.ones((3, 1)), 1.0)
+    with pytest.raises(ValueError, match="targets must have shape"):
+        fastls.conv_gram_update(np.zeros((10, 10)), np.zeros((10, 2)), np.ones((2, 4, 4, 1)), np.ones((3, 2)), 3,
+                                append_ones=True)
+    with pytest.raises(ValueError, match="does not fit"):
+        fastls.im2col(np.ones((1, 2, 2, 1)), 3)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_inputs_leave_outputs_untouched(rng, bad):
+    X = rng.standard_normal((50, 4))
+    X[17, 2] = bad
+    G = rng.standard_normal((4, 4))
+    G_before = G.copy()
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        fastls.gram_update(G, X)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        fastls.gram_update(G, np.asfortranarray(X))
+    np.testing.assert_array_equal(G, G_before)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        fastls.ridge_solve(np.eye(4), X[15:19], 1.0)
+    images = rng.standard_normal((2, 3, 3, 1))
+    images[1, 2, 2, 0] = bad
+    with pytest.raises(ValueError, match="images contains NaN"):
+        fastls.conv_gram_update(np.zeros((4, 4)), np.zeros((4, 1)), images, np.ones((2, 1)), 2)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, np.nan, np.inf, "1"])
+def test_bad_regularization(value):
+    G, C = np.eye(3), np.ones((3, 1))
+    with pytest.raises(ValueError, match="gamma must be a finite number > 0"):
+        fastls.ridge_solve(G, C, value)
+    with pytest.raises(ValueError, match="eps must be a finite number > 0"):
+        fastls.proximal_solve(G, C, value, C)
+
+
+def test_bad_outputs():
+    X = np.ones((4, 3))
+    ro = np.zeros((3, 3))
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        fastls.gram_update(ro, X)
+    strided = np.zeros((6, 6))[::2, ::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        fastls.gram_update(strided, X)
+    with pytest.raises(ValueError, match="contiguous"):
+        fastls.cross_update(np.zeros((3, 4))[:, ::2], X, np.ones((4, 2)))
+
+
+def test_read_only_and_strided_inputs_are_accepted(rng):
+    X = rng.standard_normal((40, 10))
+    X.flags.writeable = False
+    G = fastls.gram_update(np.zeros((5, 5)), X[:, ::2])
+    assert_close(upper(G), upper(X[:, ::2].T @ X[:, ::2]), np.float64, 40)
+
+
+# ---------------------------------------------------------------------------
+# Core limits
+# ---------------------------------------------------------------------------
+
+def test_limit_cores_sets_and_restores_blas_threads():
+    before = [lib["num_threads"] for lib in fastls.blas_info()]
+    assert before, "threadpoolctl found no BLAS library"
+    with fastls.limit_cores(1):
+        assert all(lib["num_threads"] == 1 for lib in fastls.blas_info())
+        # Kernels still run (and give the same answer) under the limit.
+        X = np.arange(12.0).reshape(4, 3)
+        G = fastls.gram_update(np.zeros((3, 3)), X)
+        np.testing.assert_allclose(upper(G), upper(X.T @ X))
+    assert [lib["num_threads"] for lib in fastls.blas_info()] == before
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_limit_cores_rejects_bad_counts(bad):
+    with pytest.raises(ValueError, match="n_cores"):
+        with fastls.limit_cores(bad):
+            pass
+
+
+def test_kernels_release_the_gil(rng):
+    # Two threads each running a long syrk: with the GIL held inside, a
+    # Python-level counter thread could not advance while BLAS runs.
+    import threading
+    import time
+
+    X = rng.standard_normal((6000, 600))
+    ticks = []
+    done = threading.Event()
+
+    def count():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    start = time.perf_counter()
+    with fastls.limit_cores(1):
+        for _ in range(3):
+            fastls.gram_update(np.zeros((600, 600)), X, check_finite=False)
+    elapsed = time.perf_counter() - start
+    done.set()
+    counter.join()
+    during = [t for t in ticks if start <= t <= start + elapsed]
+    # The counter kept ticking throughout the kernel calls.
+    assert len(during) >= max(3, int(elapsed / 0.001) // 10)
