@@ -1,0 +1,265 @@
+"""The server side: FedACnnL, its variants and pFedACnnL as one parametrized loop.
+
+Every algorithm of the paper is the same sequence of stages, switched on or
+off by :class:`Variant`:
+
+1. *initialization*: the seed is broadcast (clients build the same label
+   encoders Q); with clustering, clients upload h_i (eq. 9) and the server
+   groups them with K-means;
+2. *federated optimization*: one round per trainable layer (Algorithm 1):
+   clients upload X_l^T X_l and X_l^T Z_l, the server sums them per group
+   and solves eq. (5)/(11), clients take their group's weights; batch sizes
+   adapt by eq. (7) unless disabled;
+3. *local personalization*: each client solves eq. (13) layer by layer.
+
+Time is accounted per client and round on a simulated clock: measured
+compute time (under the client's core limit), communication time from the
+bytes moved over a configured bandwidth and latency, and idle time waiting
+for the slowest client. See ``docs/design.md``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+import fastls
+
+from .transport import payload_bytes
+
+__all__ = ["Variant", "VARIANTS", "Clock", "adaptive_batch_sizes", "run_protocol"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Which stages an algorithm runs."""
+
+    adaptive: bool = True      # eq. (7) batch sizes; False = "-WA"
+    cluster: bool = False      # K-means groups; False = one group ("-WC")
+    personalize: bool = False  # local personalization, eq. (13); False = "-WP"
+
+
+VARIANTS = {
+    "acnnl": Variant(adaptive=False),  # centralized: run with a single client holding all data
+    "fedacnnl": Variant(),
+    "fedacnnl-wa": Variant(adaptive=False),
+    "pfedacnnl": Variant(cluster=True, personalize=True),
+    "pfedacnnl-wc": Variant(cluster=False, personalize=True),
+    "pfedacnnl-wp": Variant(cluster=True, personalize=False),
+}
+
+
+@dataclass(frozen=True)
+class Clock:
+    """Simulated links: time = latency + bytes / bandwidth, per message."""
+
+    bandwidth_bytes_per_s: float = 100e9 / 8  # the paper's 100 Gbit/s InfiniBand
+    latency_s: float = 5e-6
+
+    def transfer(self, nbytes):
+        if math.isinf(self.bandwidth_bytes_per_s):
+            return 0.0
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+def adaptive_batch_sizes(durations, first_durations, first_batch, max_batch):
+    """Eq. (7): B_{l+1}^i = min(ceil((T_l^i - T_{l-1}^i) / min_j (T_1^j - T_0^j) * B_1^i), B_max^i).
+
+    Parameters
+    ----------
+    durations : dict cid -> float
+        This round's busy time of each client (compute + communication).
+    first_durations : dict cid -> float
+        The same in round 1.
+    first_batch, max_batch : dict cid -> int
+
+    Returns
+    -------
+    dict cid -> int
+    """
+    fastest = min(first_durations.values())
+    if fastest <= 0:
+        return dict(first_batch)
+    return {
+        cid: int(min(math.ceil(durations[cid] / fastest * first_batch[cid]), max_batch[cid]))
+        for cid in durations
+    }
+
+
+def _cluster(summaries, n_groups, seed):
+    from sklearn.cluster import KMeans
+
+    cids = sorted(summaries)
+    if n_groups > len(cids):
+        raise ValueError(f"groups (K={n_groups}) cannot exceed the number of clients ({len(cids)})")
+    H = np.stack([summaries[cid] for cid in cids])
+    labels = KMeans(n_clusters=n_groups, random_state=seed, n_init=10).fit_predict(H)
+    return {cid: int(label) for cid, label in zip(cids, labels)}
+
+
+class _RoundLog:
+    """Per-client timings of one round, turned into the results record."""
+
+    def __init__(self, stage, position, clock):
+        self.stage, self.position, self.clock = stage, position, clock
+        self.compute, self.up, self.down, self.batch = {}, {}, {}, {}
+        self.server_s = 0.0
+
+    def arrived(self, cid, compute_s, up_bytes):
+        self.compute[cid] = compute_s
+        self.up[cid] = self.clock.transfer(up_bytes)
+
+    def record(self, accuracy):
+        arrival = {cid: self.compute[cid] + self.up[cid] for cid in self.compute}
+        latest = max(arrival.values(), default=0.0)
+        clients = {
+            str(cid): {
+                "compute_s": self.compute[cid],
+                "comm_s": self.up[cid] + self.down.get(cid, 0.0),
+                "idle_s": latest - arrival[cid],
+                "arrival_s": arrival[cid],
+                **({"batch_size": self.batch[cid]} if cid in self.batch else {}),
+            }
+            for cid in self.compute
+        }
+        return {
+            "stage": self.stage,
+            "layer": self.position,
+            "accuracy": accuracy,
+            "server_s": self.server_s,
+            "clients": clients,
+        }
+
+
+def _evaluate(transport):
+    correct = total = 0
+    for _, result in transport.call("evaluate", {cid: {} for cid in transport.client_ids}):
+        correct += result["correct"]
+        total += result["total"]
+    return correct / total if total else float("nan")
+
+
+def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500.0, groups=10, seed=0,
+                 batch_size=64, max_batch_size=1024, clock=Clock(), stat_dtype=np.float64, progress=None):
+    """Run one algorithm over ``transport``'s clients; returns the results record.
+
+    Parameters
+    ----------
+    transport : Transport
+    n_layers : int
+        Trainable layers of the model (rounds of the federated stage).
+    variant : Variant
+    gamma, eps : float
+        Ridge regularization (eqs. 5, 11) and proximal weight (eq. 13).
+    groups : int
+        K of K-means when ``variant.cluster``.
+    seed : int
+    batch_size, max_batch_size : int or dict cid -> int
+        B_1^i and B_max^i.
+    clock : Clock
+    stat_dtype : dtype of the server's sums.
+    progress : callable(str) or None
+        Called with a short status after every round.
+
+    Returns
+    -------
+    dict with "groups" (cid -> group), "rounds" (list of round records),
+    "group_weights" (group -> list of (n_in, n_out) arrays) and "accuracy".
+    """
+    cids = transport.client_ids
+    first_batch = batch_size if isinstance(batch_size, dict) else {cid: int(batch_size) for cid in cids}
+    max_batch = max_batch_size if isinstance(max_batch_size, dict) else {cid: int(max_batch_size) for cid in cids}
+    for cid in cids:
+        if not 1 <= first_batch[cid] <= max_batch[cid]:
+            raise ValueError(f"client {cid}: need 1 <= batch_size ({first_batch[cid]}) <= max_batch_size ({max_batch[cid]})")
+    rounds = []
+
+    # -- initialization stage ------------------------------------------------
+    if variant.cluster:
+        init = _RoundLog("initialization", None, clock)
+        summaries = {}
+        for cid, result in transport.call("label_summary", {cid: {} for cid in cids}):
+            summaries[cid] = result["h"]
+            init.arrived(cid, 0.0, payload_bytes(result))
+        start = time.perf_counter()
+        group_of = _cluster(summaries, groups, seed)
+        init.server_s = time.perf_counter() - start
+        rounds.append(init.record(None))
+    else:
+        group_of = {cid: 0 for cid in cids}
+    n_groups = max(group_of.values()) + 1
+
+    # -- federated optimization stage ---------------------------------------
+    batch = dict(first_batch)
+    first_durations = None
+    group_weights = {k: [] for k in range(n_groups)}
+    for position in range(n_layers):
+        log = _RoundLog("federated", position, clock)
+        log.batch = dict(batch)
+        sums = {}
+        args = {cid: {"position": position, "batch_size": batch[cid], "round_index": position} for cid in cids}
+        for cid, result in transport.call("local_stats", args):
+            log.arrived(cid, result["compute_s"], payload_bytes({"G": result["G"], "C": result["C"]}))
+            k = group_of[cid]
+            if k not in sums:
+                sums[k] = (np.zeros_like(result["G"], dtype=stat_dtype), np.zeros_like(result["C"], dtype=stat_dtype))
+            # Fold and drop: the server never holds more than one client's statistics.
+            A0, A1 = sums[k]
+            A0 += result["G"]
+            A1 += result["C"]
+            del result
+        start = time.perf_counter()
+        weights = {}
+        for k, (A0, A1) in sums.items():
+            weights[k] = np.ascontiguousarray(fastls.ridge_solve(A0, A1, gamma, overwrite_g=True, overwrite_c=True))
+            group_weights[k].append(weights[k])
+        del sums
+        log.server_s = time.perf_counter() - start
+        # Durations of this round drive the next round's batch sizes (eq. 7).
+        durations = {cid: log.compute[cid] + log.up[cid] for cid in cids}
+        first_durations = first_durations or durations
+        if variant.adaptive:
+            batch = adaptive_batch_sizes(durations, first_durations, first_batch, max_batch)
+        set_args = {cid: {"position": position, "weights": weights[group_of[cid]]} for cid in cids}
+        for cid, _ in transport.call("set_weights", set_args):
+            log.down[cid] = clock.transfer(weights[group_of[cid]].nbytes + 8)
+        rounds.append(log.record(_evaluate(transport)))
+        if progress:
+            progress(f"layer {position + 1}/{n_layers} trained, accuracy {rounds[-1]['accuracy']:.4f}")
+
+    # -- local personalization stage ----------------------------------------
+    if variant.personalize:
+        for position in range(n_layers):
+            log = _RoundLog("personalization", position, clock)
+            args = {cid: {"position": position, "eps": eps, "batch_size": max_batch[cid]} for cid in cids}
+            for cid, result in transport.call("personalize", args):
+                log.arrived(cid, result["compute_s"], 0)
+                log.up[cid] = 0.0
+            rounds.append(log.record(_evaluate(transport)))
+            if progress:
+                progress(f"layer {position + 1}/{n_layers} personalized, accuracy {rounds[-1]['accuracy']:.4f}")
+
+    return {
+        "groups": {str(cid): k for cid, k in group_of.items()},
+        "rounds": rounds,
+        "group_weights": group_weights,
+        "accuracy": rounds[-1]["accuracy"],
+    }
+
+
+def time_summary(rounds):
+    """Averaged total training time per client = compute + idle + communication (paper's metric)."""
+    totals = {}
+    for record in rounds:
+        for cid, t in record["clients"].items():
+            acc = totals.setdefault(cid, {"compute_s": 0.0, "idle_s": 0.0, "comm_s": 0.0})
+            for key in acc:
+                acc[key] += t[key]
+    if not totals:
+        return {"compute_s": 0.0, "idle_s": 0.0, "comm_s": 0.0, "total_s": 0.0}
+    mean = {key: float(np.mean([t[key] for t in totals.values()])) for key in ("compute_s", "idle_s", "comm_s")}
+    mean["total_s"] = sum(mean.values())
+    return mean

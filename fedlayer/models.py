@@ -1,0 +1,1236 @@
+"""Layer-wise models for analytic (least-squares) training, in plain NumPy.
+
+ACnnL trains a network one layer at a time: layer ``l`` gets the closed-form
+ridge solution ``W_l = (X_l^T X_l + gamma I)^-1 X_l^T Z_l`` of its input
+``X_l`` (the output of the layers below) and a target ``Z_l`` (an encoded
+label). In the federated versions each client only contributes the sufficient
+statistics ``G = X_l^T X_l`` and ``C = X_l^T Z_l``. A :class:`TrainableLayer`
+therefore exposes exactly what that needs:
+
+* :meth:`TrainableLayer.ls_shape`: the shapes of its ``G`` and ``C``;
+* :meth:`TrainableLayer.accumulate`: add a batch to ``G`` and ``C`` (streamed,
+  through the compiled :mod:`fastls` kernels);
+* :meth:`TrainableLayer.set_weights`: install a solution.
+
+The bias is the last row of the weight matrix and is learned by appending a
+constant-1 column to the layer input, so it is regularized like every other
+weight (plain ridge on ``[X, 1]``).
+
+Shapes and layouts
+------------------
+* Per-sample shapes never include the batch dimension; batches are
+  ``(B, *shape)``.
+* Images are NHWC (channels last), the layout of :mod:`fastls` and
+  :mod:`fedlayer.data`.
+* A :class:`Dense` weight matrix is ``(d_in + bias, units)``; a
+  :class:`Conv2d` weight matrix is ``(kh * kw * channels + bias, filters)``
+  with rows ordered ``(ky, kx, channel)``, the column order of
+  :func:`fastls.im2col`.
+
+Examples
+--------
+>>> import numpy as np, fastls
+>>> model = build_model("lr", (60,), 10)
+>>> i = model.trainable[0]
+>>> layer = model.layers[i]
+>>> n_in, n_out = layer.ls_shape(model.input_shape_of(i))
+>>> G, C = np.zeros((n_in, n_in)), np.zeros((n_in, n_out))
+>>> x, z = np.ones((5, 60)), np.ones((5, 10))
+>>> layer.accumulate(G, C, x, z)
+>>> layer.set_weights(fastls.ridge_solve(G, C, 1.0))
+>>> model.predict(x).shape
+(5,)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import operator
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+import fastls
+
+__all__ = [
+    "Activation",
+    "Identity",
+    "ReLU",
+    "LeakyReLU",
+    "ACTIVATIONS",
+    "get_activation",
+    "Layer",
+    "Flatten",
+    "AvgPool2d",
+    "TrainableLayer",
+    "Dense",
+    "Conv2d",
+    "Model",
+    "LAYER_TYPES",
+    "KNOWN_MODELS",
+    "build_model",
+    "model_from_layers",
+]
+
+#: Default bound on the working memory of the streamed kernels (bytes).
+DEFAULT_SCRATCH_BYTES = 64 * 2**20
+
+#: Rows per chunk when a Dense layer builds ``[x, 1]``; the fastls float32
+#: block size, so a chunk is one BLAS call on the mixed-precision path too.
+_DENSE_CHUNK_ROWS = 4096
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+#: File format tag written by :meth:`Model.save`.
+_FORMAT = "fedlayer.models/1"
+
+
+# ---------------------------------------------------------------------------
+# Small validators
+# ---------------------------------------------------------------------------
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _int_pair(name, value, minimum):
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = (value, value)
+    try:
+        a, b = value
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an int or a pair of ints, got {value!r}") from None
+    for v in (a, b):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
+            raise ValueError(f"{name} must be an int or a pair of ints >= {minimum}, got {value!r}")
+    return int(a), int(b)
+
+
+def _pair_config(pair):
+    """An int when square (the common case reads better), else a list."""
+    return pair[0] if pair[0] == pair[1] else list(pair)
+
+
+def _as_shape(name, shape):
+    try:
+        shape = tuple(shape)
+    except TypeError:
+        raise ValueError(f"{name} must be a tuple of positive ints, got {shape!r}") from None
+    if not shape or any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1 for s in shape):
+        raise ValueError(f"{name} must be a non-empty tuple of positive ints, got {shape!r}")
+    return tuple(int(s) for s in shape)
+
+
+def _float_dtype(dtype):
+    dtype = np.dtype(dtype)
+    if dtype not in _FLOATS:
+        raise ValueError(f"dtype must be float32 or float64, got {dtype}")
+    return dtype
+
+
+def _as_float(x, dtype=None):
+    """x as a float32/float64 array: ``dtype`` when given, else x's own float
+    dtype (other dtypes, e.g. uint8 pixels, become float64)."""
+    x = np.asarray(x)
+    if dtype is not None:
+        return x.astype(dtype, copy=False)
+    if x.dtype in _FLOATS:
+        return x
+    return x.astype(np.float64)
+
+
+def _check_batch(layer, x, ndim, what):
+    if x.ndim != ndim:
+        raise ValueError(f"{layer!r} expects a batch of shape {what}, got shape {x.shape}")
+
+
+# ---------------------------------------------------------------------------
+# Activations
+# ---------------------------------------------------------------------------
+
+class Activation:
+    """Element-wise activation function.
+
+    Subclasses set ``name`` and implement ``__call__``. They may also override
+    :meth:`apply_inplace`, which layers call on their freshly computed
+    pre-activations to avoid a second output-sized array (the DCNN's first
+    layer produces 512 channels per pixel).
+
+    Only the built-in activations of :data:`ACTIVATIONS` survive
+    :meth:`Model.save` / :meth:`Model.load`.
+    """
+
+    name: str = ""
+
+    def __call__(self, x):
+        """Return f(x) as an array of the shape of x (may be a new array or x)."""
+        raise NotImplementedError
+
+    def apply_inplace(self, x):
+        """f(x), allowed to overwrite x (a float array the caller owns)."""
+        return self(x)
+
+    def config(self):
+        """JSON-able spec accepted by :func:`get_activation`."""
+        return self.name
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self.config() == other.config()
+
+    def __hash__(self):
+        return hash(json.dumps(self.config(), sort_keys=True))
+
+    def __repr__(self):
+        return f"{type(self).__name__}()"
+
+
+class Identity(Activation):
+    """f(x) = x (output layers and linear models)."""
+
+    name = "identity"
+
+    def __call__(self, x):
+        return x
+
+    apply_inplace = __call__
+
+
+class ReLU(Activation):
+    """f(x) = max(x, 0)."""
+
+    name = "relu"
+
+    def __call__(self, x):
+        return np.maximum(_as_float(x), 0)
+
+    def apply_inplace(self, x):
+        return np.maximum(x, 0, out=x)
+
+
+class LeakyReLU(Activation):
+    """f(x) = x for x >= 0, negative_slope * x for x < 0 (PyTorch's LeakyReLU).
+
+    Parameters
+    ----------
+    negative_slope : float, default=0.01
+        Any finite real; the default is PyTorch's.
+    """
+
+    name = "leaky_relu"
+
+    def __init__(self, negative_slope=0.01):
+        if isinstance(negative_slope, bool) or not isinstance(negative_slope, numbers.Real) \
+                or not math.isfinite(negative_slope):
+            raise ValueError(f"negative_slope must be a finite number, got {negative_slope!r}")
+        self.negative_slope = float(negative_slope)
+
+    def __call__(self, x):
+        return self.apply_inplace(np.array(_as_float(x), copy=True))
+
+    def apply_inplace(self, x):
+        # Scaling only the negative entries in place costs a boolean mask
+        # (1/8 of a float64 array) instead of np.where's full-size temporaries,
+        # and is right for any slope (max(x, s x) is only right for s <= 1).
+        np.multiply(x, x.dtype.type(self.negative_slope), out=x, where=x < 0)
+        return x
+
+    def config(self):
+        return {"name": self.name, "negative_slope": self.negative_slope}
+
+    def __repr__(self):
+        return f"LeakyReLU(negative_slope={self.negative_slope!r})"
+
+
+#: Built-in activations by name.
+ACTIVATIONS = {"identity": Identity, "relu": ReLU, "leaky_relu": LeakyReLU}
+
+
+def get_activation(spec):
+    """Activation from a name, a config dict, None or an Activation.
+
+    Parameters
+    ----------
+    spec : str, dict, None or Activation
+        ``"identity"`` / None, ``"relu"``, ``"leaky_relu"`` (case-insensitive);
+        a dict ``{"name": ..., **params}`` such as
+        ``{"name": "leaky_relu", "negative_slope": 0.1}`` (what
+        :meth:`Activation.config` returns); or an instance, returned as is.
+
+    Returns
+    -------
+    Activation
+
+    Raises
+    ------
+    ValueError
+        Unknown name or parameters; the message lists the known names.
+    """
+    known = ", ".join(repr(n) for n in ACTIVATIONS)
+    if spec is None:
+        return Identity()
+    if isinstance(spec, Activation):
+        return spec
+    if isinstance(spec, Mapping):
+        params = dict(spec)
+        name = params.pop("name", None)
+    else:
+        name, params = spec, {}
+    if not isinstance(name, str) or name.lower() not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; known activations: {known}, or an Activation instance")
+    cls = ACTIVATIONS[name.lower()]
+    try:
+        return cls(**params)
+    except TypeError:
+        raise ValueError(f"invalid parameters {sorted(params)} for activation {name!r}") from None
+
+
+# ---------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------
+
+class Layer:
+    """Base layer: a fixed map of per-sample arrays with no weights.
+
+    Subclasses define ``type_name`` (the ``"type"`` of :meth:`config`),
+    ``_PARAMS`` (constructor keys accepted by :func:`model_from_layers`) and
+    ``_REQUIRED``.
+    """
+
+    type_name = "layer"
+    _PARAMS: tuple = ()
+    _REQUIRED: tuple = ()
+
+    def output_shape(self, input_shape):
+        """Per-sample output shape for a per-sample input shape (no batch dim).
+
+        Raises ValueError when the layer cannot take that input.
+        """
+        raise NotImplementedError
+
+    def forward(self, x):
+        """Apply the layer to a batch ``x`` of shape (B, *input_shape)."""
+        raise NotImplementedError
+
+    def _params(self):
+        return {}
+
+    def config(self):
+        """JSON-able ``{"type": ..., **constructor params}``."""
+        return {"type": self.type_name, **self._params()}
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self._params().items())
+        return f"{type(self).__name__}({args})"
+
+
+class Flatten(Layer):
+    """(B, *shape) -> (B, prod(shape)), C order (for NHWC: (y, x, channel))."""
+
+    type_name = "flatten"
+
+    def output_shape(self, input_shape):
+        input_shape = _as_shape("input_shape", input_shape)
+        return (math.prod(input_shape),)
+
+    def forward(self, x):
+        """
+        Parameters
+        ----------
+        x : ndarray of shape (B, *shape)
+
+        Returns
+        -------
+        ndarray of shape (B, prod(shape)), a view of x when x is C-contiguous.
+        """
+        x = np.asarray(x)
+        if x.ndim < 2:
+            raise ValueError(f"Flatten expects a batch of shape (B, ...), got shape {x.shape}")
+        return x.reshape(x.shape[0], -1)
+
+
+class AvgPool2d(Layer):
+    """Average pooling over NHWC images without padding.
+
+    The output size is ``floor((H - pool) / stride) + 1`` (PyTorch's
+    ``AvgPool2d`` with ``ceil_mode=False``): trailing rows/columns that do
+    not fill a window are dropped.
+
+    Parameters
+    ----------
+    pool_size : int or (int, int), default=2
+    stride : int or (int, int), optional
+        Defaults to ``pool_size`` (non-overlapping windows).
+    """
+
+    type_name = "avgpool2d"
+    _PARAMS = ("pool_size", "stride")
+
+    def __init__(self, pool_size=2, stride=None):
+        self.pool_size = _int_pair("pool_size", pool_size, 1)
+        self.stride = self.pool_size if stride is None else _int_pair("stride", stride, 1)
+
+    def _params(self):
+        return {"pool_size": _pair_config(self.pool_size), "stride": _pair_config(self.stride)}
+
+    def output_shape(self, input_shape):
+        input_shape = _as_shape("input_shape", input_shape)
+        if len(input_shape) != 3:
+            raise ValueError(f"AvgPool2d expects images (H, W, C), got per-sample shape {input_shape}")
+        H, W, C = input_shape
+        (ph, pw), (sh, sw) = self.pool_size, self.stride
+        if H < ph or W < pw:
+            raise ValueError(f"a {ph}x{pw} pooling window does not fit a {H}x{W} image")
+        return ((H - ph) // sh + 1, (W - pw) // sw + 1, C)
+
+    def forward(self, x):
+        """
+        Parameters
+        ----------
+        x : ndarray of shape (B, H, W, C)
+            float32/float64 kept, other dtypes become float64.
+
+        Returns
+        -------
+        ndarray of shape (B, out_h, out_w, C), dtype of x
+        """
+        x = _as_float(x)
+        _check_batch(self, x, 4, "(B, H, W, C)")
+        oh, ow, _ = self.output_shape(x.shape[1:])
+        (ph, pw), (sh, sw) = self.pool_size, self.stride
+        # One strided slice per window offset: ph * pw passes over
+        # output-sized data, no window copies, any stride.
+        out = None
+        for i in range(ph):
+            for j in range(pw):
+                part = x[:, i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw, :]
+                if out is None:
+                    out = np.array(part, copy=True, order="C")
+                else:
+                    out += part
+        out /= ph * pw
+        return out
+
+
+class TrainableLayer(Layer):
+    """A linear map followed by an activation, trained by least squares.
+
+    Attributes
+    ----------
+    activation : Activation
+    bias : bool
+        When True the weight matrix has one extra last row, the bias, fitted
+        through a constant-1 input column (regularized like the weights).
+    weights : ndarray of shape (n_inputs, n_outputs) or None
+        C-contiguous, in :attr:`dtype`; None until trained or set.
+    dtype : numpy.dtype
+        Weight dtype (the model's; float64 for a standalone layer).
+    input_shape : tuple or None
+        Per-sample input shape, known once the layer belongs to a Model.
+    """
+
+    def __init__(self, activation="identity", bias=True):
+        try:
+            self.activation = get_activation(activation)
+        except ValueError as exc:
+            raise ValueError(f"activation: {exc}") from None
+        if not isinstance(bias, (bool, np.bool_)):
+            raise ValueError(f"bias must be True or False, got {bias!r}")
+        self.bias = bool(bias)
+        self.weights = None
+        self.dtype = np.dtype(np.float64)
+        self.input_shape = None
+
+    # -- shapes ----------------------------------------------------------
+
+    @property
+    def n_outputs(self):
+        raise NotImplementedError
+
+    def _n_inputs(self, input_shape):
+        raise NotImplementedError
+
+    def ls_shape(self, input_shape):
+        """(n_inputs, n_outputs) of the least-squares problem of this layer.
+
+        ``G`` is (n_inputs, n_inputs) and ``C`` (n_inputs, n_outputs);
+        n_inputs counts the bias row.
+        """
+        self.output_shape(input_shape)  # validates
+        return self._n_inputs(_as_shape("input_shape", input_shape)), self.n_outputs
+
+    def _bind(self, input_shape, dtype):
+        """Called by Model: fix the input shape and dtype, check any weights."""
+        self.input_shape = tuple(input_shape)
+        self.dtype = np.dtype(dtype)
+        if self.weights is not None:
+            self.set_weights(self.weights)
+
+    # -- weights ---------------------------------------------------------
+
+    def _check_weight_rows(self, n_rows):
+        """Row count check when the input shape is not known yet."""
+        if n_rows < 1 + self.bias:
+            raise ValueError(f"{self!r} needs at least {1 + self.bias} weight rows, got {n_rows}")
+
+    def set_weights(self, W):
+        """Install W (copied, C-contiguous, in :attr:`dtype`).
+
+        Parameters
+        ----------
+        W : array_like of shape (n_inputs, n_outputs)
+            Real numbers; the bias is the last row when ``bias`` is True.
+            n_inputs is checked against :attr:`input_shape` when known.
+        """
+        W = np.asarray(W)
+        if not (np.issubdtype(W.dtype, np.floating) or np.issubdtype(W.dtype, np.integer)):
+            raise TypeError(f"weights must be real numbers, got dtype {W.dtype}")
+        if W.ndim != 2 or W.shape[1] != self.n_outputs:
+            raise ValueError(f"{self!r} expects weights of shape (n_inputs, {self.n_outputs}), got {W.shape}")
+        if self.input_shape is not None:
+            expected = self.ls_shape(self.input_shape)
+            if W.shape != expected:
+                raise ValueError(
+                    f"{self!r} on input {self.input_shape} expects weights of shape {expected}, got {W.shape}"
+                )
+        else:
+            self._check_weight_rows(W.shape[0])
+        # A copy, so a caller reusing its solver output cannot change the model.
+        self.weights = np.array(W, dtype=self.dtype, order="C", copy=True)
+
+    def _require_weights(self):
+        if self.weights is None:
+            raise RuntimeError(f"{self!r} has no weights yet: train it or call set_weights")
+        return self.weights
+
+    # -- least squares ---------------------------------------------------
+
+    def _check_stats(self, G, C, n_inputs):
+        for name, A, shape in (("G", G, (n_inputs, n_inputs)), ("C", C, (n_inputs, self.n_outputs))):
+            if not isinstance(A, np.ndarray):
+                raise TypeError(f"{name} must be a NumPy array, got {type(A).__name__}")
+            if A.shape != shape:
+                raise ValueError(
+                    f"{self!r} with {n_inputs} least-squares inputs (bias included) needs {name} of shape "
+                    f"{shape}, got {A.shape}"
+                )
+
+    def _ls_input(self, x, ndim, what):
+        x = np.asarray(x)
+        # float32 stays float32 (fastls accumulates it into a float64 G);
+        # anything else (e.g. uint8 pixels) is taken in the model dtype.
+        if x.dtype not in _FLOATS:
+            x = x.astype(self.dtype)
+        _check_batch(self, x, ndim, what)
+        if self.input_shape is not None and x.shape[1:] != self.input_shape:
+            raise ValueError(
+                f"{self!r} expects input of shape (B, {', '.join(map(str, self.input_shape))}), got {x.shape}"
+            )
+        return x
+
+    def _ls_target(self, z, B, dtype, allowed_shapes):
+        z = np.asarray(z)
+        if z.shape not in allowed_shapes:
+            raise ValueError(
+                f"{self!r}: targets z must have shape {' or '.join(map(str, allowed_shapes))} "
+                f"for a batch of {B}, got {z.shape}"
+            )
+        # fastls wants targets in the input dtype; z is B x m, cheap to cast.
+        return np.ascontiguousarray(z, dtype=dtype)
+
+    def accumulate(self, G, C, x, z, *, scratch_bytes=DEFAULT_SCRATCH_BYTES):
+        """G += A^T A (upper triangle) and C += A^T z for this layer's LS input A.
+
+        See the subclasses for A. G and C must be writable, C- or
+        F-contiguous float arrays of shapes :meth:`ls_shape`; float32 x with
+        float64 G and C is allowed (accumulated in float64).
+        """
+        raise NotImplementedError
+
+    # -- evaluation ------------------------------------------------------
+
+    def pre_activation(self, x):
+        """The linear part of the layer (activation not applied)."""
+        raise NotImplementedError
+
+    def forward(self, x):
+        """activation(pre_activation(x))."""
+        return self.activation.apply_inplace(self.pre_activation(x))
+
+    def _act_params(self):
+        return {"activation": self.activation.config(), "bias": self.bias}
+
+
+class Dense(TrainableLayer):
+    """Fully connected layer: f([x, 1] @ W).
+
+    Parameters
+    ----------
+    units : int
+        Output features.
+    activation : str, dict, Activation or None, default="identity"
+    bias : bool, default=True
+
+    Notes
+    -----
+    Input per-sample shape (d,); weights (d + bias, units).
+    """
+
+    type_name = "dense"
+    _PARAMS = ("units", "activation", "bias")
+    _REQUIRED = ("units",)
+
+    def __init__(self, units, activation="identity", bias=True):
+        self.units = _positive_int("units", units)
+        super().__init__(activation, bias)
+
+    @property
+    def n_outputs(self):
+        return self.units
+
+    def _params(self):
+        return {"units": self.units, **self._act_params()}
+
+    def output_shape(self, input_shape):
+        input_shape = _as_shape("input_shape", input_shape)
+        if len(input_shape) != 1:
+            raise ValueError(f"Dense expects a flat per-sample input (d,), got {input_shape}; add a Flatten before it")
+        return (self.units,)
+
+    def _n_inputs(self, input_shape):
+        return input_shape[0] + self.bias
+
+    def accumulate(self, G, C, x, z, *, scratch_bytes=DEFAULT_SCRATCH_BYTES):
+        """G += [x, 1]^T [x, 1] (upper triangle), C += [x, 1]^T z.
+
+        Parameters
+        ----------
+        G : ndarray of shape (d + bias, d + bias), float32 or float64
+            Writable, C- or F-contiguous; only the upper triangle is updated.
+        C : ndarray of shape (d + bias, units), dtype of G
+        x : ndarray of shape (B, d)
+            float32 or float64 (float32 into a float64 G is accumulated in
+            float64 per fastls block); other dtypes are cast to the model dtype.
+        z : ndarray of shape (B, units)
+            Targets; cast to the dtype of x.
+        scratch_bytes : int, default=64 MiB
+            Bound on the ``[x, 1]`` chunk buffer.
+        """
+        x = self._ls_input(x, 2, "(B, d)")
+        B, d = x.shape
+        n_in = d + self.bias
+        z = self._ls_target(z, B, x.dtype, [(B, self.units)])
+        self._check_stats(G, C, n_in)
+        scratch_bytes = _positive_int("scratch_bytes", scratch_bytes)
+        if B == 0:
+            return
+        if not self.bias:
+            fastls.gram_update(G, x)
+            fastls.cross_update(C, x, z)
+            return
+        # The bias could be accumulated separately (G[:d, :d] += x^T x,
+        # G[:d, d] += sum x, G[d, d] += B, ...), but G[:d, :d] is not a
+        # contiguous array, which the in-place BLAS kernels need; going through
+        # a d x d temporary would cost d^2 memory (537 MB for the DCNN's
+        # classifier) and a second pass. Instead [x, 1] is built chunk by chunk
+        # in one reusable buffer whose last column is set to 1 once: the copy
+        # is O(B d), negligible next to the O(B d^2) syrk, memory stays bounded
+        # by scratch_bytes, and each chunk is a single syrk + gemm on exactly
+        # the matrix the ridge problem is defined on.
+        row_bytes = n_in * x.dtype.itemsize
+        rows = max(1, min(B, _DENSE_CHUNK_ROWS, scratch_bytes // row_bytes))
+        buf = np.empty((rows, n_in), dtype=x.dtype)
+        buf[:, d] = 1
+        for start in range(0, B, rows):
+            r = min(rows, B - start)
+            np.copyto(buf[:r, :d], x[start:start + r])
+            A = buf[:r]
+            fastls.gram_update(G, A)
+            fastls.cross_update(C, A, z[start:start + r])
+
+    def pre_activation(self, x):
+        """x @ W[:d] + W[d].
+
+        Parameters
+        ----------
+        x : ndarray of shape (B, d)
+            Cast to the weight dtype.
+
+        Returns
+        -------
+        ndarray of shape (B, units), weight dtype
+        """
+        W = self._require_weights()
+        x = _as_float(x, W.dtype)
+        _check_batch(self, x, 2, "(B, d)")
+        d = W.shape[0] - self.bias
+        if x.shape[1] != d:
+            raise ValueError(f"{self!r} expects input of shape (B, {d}), got {x.shape}")
+        out = x @ W[:d]
+        if self.bias:
+            out += W[d]
+        return out
+
+
+class Conv2d(TrainableLayer):
+    """2-D convolution on NHWC images, as im2col patches @ W.
+
+    Parameters
+    ----------
+    filters : int
+        Output channels.
+    kernel_size : int or (int, int)
+    stride : int or (int, int), default=1
+    padding : {"valid", "same"}, int or (int, int), default="valid"
+        Zero padding on both sides; "same" needs stride 1 and an odd kernel
+        (the fastls convention).
+    activation : str, dict, Activation or None, default="identity"
+    bias : bool, default=True
+
+    Notes
+    -----
+    Input per-sample shape (H, W, channels); output (out_h, out_w, filters)
+    with ``out = (H + 2 p - k) // s + 1``. Weights have shape
+    (kh * kw * channels + bias, filters), rows ordered (ky, kx, channel) as
+    the columns of :func:`fastls.im2col`; the bias row is last. This is a
+    cross-correlation (no kernel flip), as in PyTorch.
+    """
+
+    type_name = "conv2d"
+    _PARAMS = ("filters", "kernel_size", "stride", "padding", "activation", "bias")
+    _REQUIRED = ("filters", "kernel_size")
+
+    def __init__(self, filters, kernel_size, stride=1, padding="valid", activation="identity", bias=True):
+        self.filters = _positive_int("filters", filters)
+        self.kernel_size = _int_pair("kernel_size", kernel_size, 1)
+        self.stride = _int_pair("stride", stride, 1)
+        if isinstance(padding, str):
+            if padding.lower() not in ("valid", "same"):
+                raise ValueError(f"padding must be 'valid', 'same', an int or a pair of ints, got {padding!r}")
+            padding = padding.lower()
+            if padding == "same" and (self.stride != (1, 1) or self.kernel_size[0] % 2 == 0
+                                      or self.kernel_size[1] % 2 == 0):
+                raise ValueError(
+                    f"padding='same' needs stride 1 and an odd kernel size, got kernel_size={self.kernel_size} "
+                    f"and stride={self.stride}"
+                )
+        else:
+            padding = _int_pair("padding", padding, 0)
+        self.padding = padding
+        super().__init__(activation, bias)
+
+    @property
+    def n_outputs(self):
+        return self.filters
+
+    def _params(self):
+        padding = self.padding if isinstance(self.padding, str) else _pair_config(self.padding)
+        return {
+            "filters": self.filters,
+            "kernel_size": _pair_config(self.kernel_size),
+            "stride": _pair_config(self.stride),
+            "padding": padding,
+            **self._act_params(),
+        }
+
+    def output_shape(self, input_shape):
+        input_shape = _as_shape("input_shape", input_shape)
+        if len(input_shape) != 3:
+            raise ValueError(f"Conv2d expects images (H, W, C), got per-sample shape {input_shape}")
+        oh, ow = fastls.conv_output_shape(input_shape[:2], self.kernel_size, self.stride, self.padding)
+        return (oh, ow, self.filters)
+
+    def _n_inputs(self, input_shape):
+        return self.kernel_size[0] * self.kernel_size[1] * input_shape[2] + self.bias
+
+    def _check_weight_rows(self, n_rows):
+        kk = self.kernel_size[0] * self.kernel_size[1]
+        if n_rows - self.bias < kk or (n_rows - self.bias) % kk:
+            raise ValueError(
+                f"{self!r} needs kh * kw * channels + {int(self.bias)} weight rows (kh * kw = {kk}), got {n_rows}"
+            )
+
+    def _conv_kwargs(self):
+        return {"stride": self.stride, "padding": self.padding, "append_ones": self.bias}
+
+    def accumulate(self, G, C, x, z, *, scratch_bytes=DEFAULT_SCRATCH_BYTES):
+        """G += P^T P (upper triangle), C += P^T T over all patches, streamed.
+
+        P has one row per (image, output position): the (ky, kx, channel)
+        patch with a 1 appended when ``bias``. T repeats each image's target
+        at every output position. Patches are built in chunks of at most
+        ``scratch_bytes`` by :func:`fastls.conv_gram_update`, never all at once.
+
+        Parameters
+        ----------
+        G : ndarray of shape (n_inputs, n_inputs), float32 or float64
+            n_inputs = kh * kw * channels + bias; writable, C- or F-contiguous.
+        C : ndarray of shape (n_inputs, filters), dtype of G
+        x : ndarray of shape (B, H, W, channels)
+        z : ndarray of shape (B, filters), or (B, out_h, out_w, filters)
+            Per-image targets (applied at every output position), or one
+            target per output position. Cast to the dtype of x.
+        scratch_bytes : int, default=64 MiB
+        """
+        x = self._ls_input(x, 4, "(B, H, W, C)")
+        B = x.shape[0]
+        n_in = self._n_inputs(x.shape[1:])
+        oh, ow, _ = self.output_shape(x.shape[1:])
+        z = self._ls_target(z, B, x.dtype, [(B, self.filters), (B, oh, ow, self.filters)])
+        self._check_stats(G, C, n_in)
+        scratch_bytes = _positive_int("scratch_bytes", scratch_bytes)
+        if B == 0:
+            return
+        fastls.conv_gram_update(G, C, x, z, self.kernel_size, scratch_bytes=scratch_bytes, **self._conv_kwargs())
+
+    def pre_activation(self, x, *, scratch_bytes=DEFAULT_SCRATCH_BYTES):
+        """The convolution (plus bias), NHWC.
+
+        Parameters
+        ----------
+        x : ndarray of shape (B, H, W, channels)
+            Cast to the weight dtype.
+        scratch_bytes : int, default=64 MiB
+            Bound on the patch matrix of one chunk of images (at least one
+            image per chunk).
+
+        Returns
+        -------
+        ndarray of shape (B, out_h, out_w, filters), weight dtype
+        """
+        W = self._require_weights()
+        x = _as_float(x, W.dtype)
+        _check_batch(self, x, 4, "(B, H, W, C)")
+        if self._n_inputs(x.shape[1:]) != W.shape[0]:
+            channels = (W.shape[0] - self.bias) // (self.kernel_size[0] * self.kernel_size[1])
+            raise ValueError(f"{self!r} expects images with {channels} channels (B, H, W, {channels}), got {x.shape}")
+        oh, ow, F = self.output_shape(x.shape[1:])
+        B = x.shape[0]
+        out = np.empty((B, oh, ow, F), dtype=W.dtype)
+        # Patches of all images would be B * oh * ow * n_inputs values (GBs
+        # for the DCNN), so images go through im2col a chunk at a time.
+        per_image = oh * ow * W.shape[0] * W.dtype.itemsize
+        step = max(1, _positive_int("scratch_bytes", scratch_bytes) // per_image)
+        for start in range(0, B, step):
+            stop = min(B, start + step)
+            P = fastls.im2col(x[start:stop], self.kernel_size, **self._conv_kwargs())
+            np.matmul(P, W, out=out[start:stop].reshape(-1, F))
+        return out
+
+
+#: Layer classes by config ``"type"``.
+LAYER_TYPES = {cls.type_name: cls for cls in (Dense, Conv2d, AvgPool2d, Flatten)}
+
+
+# ---------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------
+
+class Model:
+    """A sequence of layers with known per-sample shapes.
+
+    Parameters
+    ----------
+    layers : list of Layer
+        Each instance belongs to this model (trainable layers are bound to
+        their input shape and to ``dtype``); the same object may not appear
+        twice.
+    input_shape : tuple of int
+        Per-sample input shape, e.g. (60,) or (32, 32, 3) (NHWC images).
+    dtype : float32 or float64, default=float64
+        Dtype of the weights and of every activation computed by
+        :meth:`forward`.
+
+    Attributes
+    ----------
+    layers : list of Layer
+    input_shape : tuple of int
+    output_shape : tuple of int
+    dtype : numpy.dtype
+    trainable : list of int
+        Indices into ``layers`` of the TrainableLayers, in order.
+    """
+
+    def __init__(self, layers, input_shape, dtype=np.float64):
+        layers = list(layers)
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, Layer):
+                raise TypeError(f"layer {i} must be a fedlayer.models.Layer, got {type(layer).__name__}")
+        if len({id(layer) for layer in layers}) != len(layers):
+            raise ValueError("the same layer object appears more than once; use separate instances")
+        self.input_shape = _as_shape("input_shape", input_shape)
+        self.dtype = _float_dtype(dtype)
+        shapes = [self.input_shape]
+        for i, layer in enumerate(layers):
+            try:
+                shapes.append(tuple(layer.output_shape(shapes[-1])))
+            except ValueError as exc:
+                raise ValueError(f"layer {i} ({layer!r}) on input shape {shapes[-1]}: {exc}") from None
+        self.layers = layers
+        self._shapes = shapes
+        self.trainable = [i for i, layer in enumerate(layers) if isinstance(layer, TrainableLayer)]
+        for i in self.trainable:
+            try:
+                layers[i]._bind(shapes[i], self.dtype)
+            except ValueError as exc:
+                raise ValueError(f"layer {i}: {exc}") from None
+
+    @property
+    def output_shape(self):
+        """Per-sample output shape of the whole model."""
+        return self._shapes[-1]
+
+    def input_shape_of(self, layer_index):
+        """Per-sample input shape of ``layers[layer_index]``.
+
+        ``layer_index == len(layers)`` gives the model's output shape;
+        negative indices count from the end as for lists.
+        """
+        i = operator.index(layer_index)
+        n = len(self.layers)
+        if i < 0:
+            i += n
+        if not 0 <= i <= n:
+            raise IndexError(f"layer_index must be in [0, {n}], got {layer_index}")
+        return self._shapes[i]
+
+    def _check_input(self, x, start):
+        x = np.asarray(x)
+        expected = self._shapes[start]
+        if x.shape[1:] != expected or x.ndim != len(expected) + 1:
+            what = "model input" if start == 0 else f"input of layer {start}"
+            raise ValueError(f"{what} must have shape (B, {', '.join(map(str, expected))}), got {x.shape}")
+        return _as_float(x, self.dtype)
+
+    def _run(self, x, start, stop):
+        for layer in self.layers[start:stop]:
+            x = layer.forward(x)
+        return x
+
+    def forward(self, x, stop=None, batch_size=None, *, start=0):
+        """Apply ``layers[start:stop]``.
+
+        Parameters
+        ----------
+        x : array_like of shape (B, *input_shape_of(start))
+            Cast to the model dtype.
+        stop : int, optional
+            End layer (exclusive); all layers when None. ``stop == start``
+            returns x (cast) unchanged.
+        batch_size : int, optional
+            Process at most this many rows at a time (bounds the activations
+            of the wide DCNN layers); the result is the same.
+        start : int, default=0
+            First layer, when x is already the input of ``layers[start]``
+            (e.g. cached activations during layer-wise training).
+
+        Returns
+        -------
+        ndarray of shape (B, *input_shape_of(stop)), model dtype
+        """
+        n = len(self.layers)
+        stop = n if stop is None else operator.index(stop)
+        start = operator.index(start)
+        if not 0 <= start <= stop <= n:
+            raise ValueError(f"need 0 <= start <= stop <= {n}, got start={start}, stop={stop}")
+        x = self._check_input(x, start)
+        for i in self.trainable:
+            if start <= i < stop and self.layers[i].weights is None:
+                raise RuntimeError(f"layer {i} ({self.layers[i]!r}) has no weights yet: train it or call set_weights")
+        B = x.shape[0]
+        if batch_size is None or B <= batch_size:
+            return self._run(x, start, stop)
+        batch_size = _positive_int("batch_size", batch_size)
+        out = np.empty((B, *self._shapes[stop]), dtype=self.dtype)
+        for s in range(0, B, batch_size):
+            out[s:s + batch_size] = self._run(x[s:s + batch_size], start, stop)
+        return out
+
+    def predict(self, x, batch_size=4096):
+        """Class labels: argmax of the output.
+
+        Parameters
+        ----------
+        x : array_like of shape (B, *input_shape)
+        batch_size : int, default=4096
+
+        Returns
+        -------
+        ndarray of shape (B,), int64
+        """
+        out = self.forward(x, batch_size=batch_size)
+        return out.reshape(out.shape[0], -1).argmax(axis=1).astype(np.int64)
+
+    def accuracy(self, x, y, batch_size=4096):
+        """(number of correct predictions, number of samples).
+
+        Parameters
+        ----------
+        x : array_like of shape (B, *input_shape)
+        y : array_like of shape (B,) integer labels, or (B, n_classes)
+            one-hot / score rows (their argmax is the label).
+        """
+        y = np.asarray(y)
+        if y.ndim == 2:
+            y = y.argmax(axis=1)
+        if y.ndim != 1 or y.shape[0] != np.shape(x)[0]:
+            raise ValueError(f"y must have shape ({np.shape(x)[0]},) or ({np.shape(x)[0]}, n_classes), got {y.shape}")
+        if y.shape[0] == 0:
+            return 0, 0
+        return int((self.predict(x, batch_size=batch_size) == y).sum()), int(y.shape[0])
+
+    def n_parameters(self):
+        """Number of weights, biases included (whether set or not)."""
+        return sum(math.prod(self.layers[i].ls_shape(self._shapes[i])) for i in self.trainable)
+
+    def copy(self):
+        """A new Model with the same structure and copies of the weights."""
+        new = Model.from_config(self.config())
+        for i in self.trainable:
+            if self.layers[i].weights is not None:
+                new.layers[i].set_weights(self.layers[i].weights)
+        return new
+
+    def config(self):
+        """JSON-able structure (no weights): input_shape, dtype, layers."""
+        return {
+            "input_shape": list(self.input_shape),
+            "dtype": self.dtype.name,
+            "layers": [layer.config() for layer in self.layers],
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        """Model from :meth:`config` output (weights unset)."""
+        if not isinstance(config, Mapping) or "layers" not in config or "input_shape" not in config:
+            raise ValueError("a model config is a dict with keys 'input_shape', 'layers' and optionally 'dtype'")
+        unknown = set(config) - {"input_shape", "layers", "dtype"}
+        if unknown:
+            raise ValueError(f"unknown model config keys {sorted(unknown)}; accepted: input_shape, layers, dtype")
+        return model_from_layers(config["layers"], tuple(config["input_shape"]), config.get("dtype", "float64"))
+
+    def save(self, path, metadata=None):
+        """Write an .npz file: JSON config, JSON metadata, weights per layer.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            Written exactly (no suffix added), atomically through a temporary
+            file in the same directory.
+        metadata : dict, optional
+            JSON-able; NumPy scalars and arrays are converted to Python
+            numbers and lists.
+
+        Notes
+        -----
+        Weights are stored under ``weights_<layer index>`` for the layers that
+        have them; the file loads with ``allow_pickle=False``.
+        """
+        metadata = {} if metadata is None else metadata
+        if not isinstance(metadata, Mapping):
+            raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
+        arrays = {
+            "format": np.array(_FORMAT),
+            "config": np.array(json.dumps(self.config())),
+            "metadata": np.array(json.dumps(dict(metadata), default=_json_default)),
+        }
+        for i in self.trainable:
+            if self.layers[i].weights is not None:
+                arrays[f"weights_{i}"] = self.layers[i].weights
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                np.savez(f, **arrays)
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+
+    @classmethod
+    def load(cls, path):
+        """Read a file written by :meth:`save`.
+
+        Returns
+        -------
+        (Model, dict)
+            The model with its saved weights, and the metadata.
+        """
+        with np.load(path, allow_pickle=False) as data:
+            if "format" not in data.files or str(data["format"]) != _FORMAT:
+                raise ValueError(f"{path} is not a fedlayer model file (expected format {_FORMAT!r})")
+            model = cls.from_config(json.loads(str(data["config"])))
+            metadata = json.loads(str(data["metadata"]))
+            for name in data.files:
+                if not name.startswith("weights_"):
+                    continue
+                i = int(name[len("weights_"):])
+                if i not in model.trainable:
+                    raise ValueError(f"{path}: weights stored for layer {i}, which is not trainable")
+                model.layers[i].set_weights(data[name])
+        return model, metadata
+
+    def __repr__(self):
+        inner = ",\n    ".join(repr(layer) for layer in self.layers)
+        return f"Model(input_shape={self.input_shape}, dtype={self.dtype.name}, layers=[\n    {inner}\n])"
+
+
+def _json_default(obj):
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"metadata value of type {type(obj).__name__} is not JSON-serializable")
+
+
+# ---------------------------------------------------------------------------
+# Builders
+# ---------------------------------------------------------------------------
+
+#: Names accepted by :func:`build_model`.
+KNOWN_MODELS = ("lr", "dnn", "dcnn")
+
+
+def build_model(name, input_shape, n_classes, *, width=1.0, dtype=np.float64, negative_slope=0.01):
+    """One of the paper's models (section 5.1), weights unset.
+
+    Parameters
+    ----------
+    name : {"lr", "dnn", "dcnn"}
+        * ``"lr"``: [Flatten] + Dense(n_classes). The paper's multinomial
+          logistic regression; the softmax does not change the argmax and
+          analytic training fits the linear scores, so the output is linear.
+        * ``"dnn"``: [Flatten] + Dense(128, relu) + Dense(64, relu) +
+          Dense(n_classes): two hidden layers [128, 64] with ReLU.
+        * ``"dcnn"``: Conv(5x5, 512) LeakyReLU, AvgPool(2x2),
+          Conv(3x3, 1024) LeakyReLU, AvgPool(2x2), Conv(3x3, 2048) LeakyReLU,
+          Conv(3x3, 2048) LeakyReLU, Flatten, Dense(n_classes).
+        Flatten is inserted only for image (multi-dimensional) inputs.
+    input_shape : tuple of int
+        Per-sample shape: (d,) or (H, W, C); "dcnn" needs (H, W, C).
+    n_classes : int
+    width : float, default=1.0
+        Multiplies the hidden widths (the DCNN channel counts and the DNN
+        hidden units): ``max(1, round(c * width))``. Narrow versions keep
+        tests fast; the output layer always has n_classes units.
+    dtype : float32 or float64, default=float64
+    negative_slope : float, default=0.01
+        Slope of the DCNN's LeakyReLUs (PyTorch's default).
+
+    Returns
+    -------
+    Model
+
+    Notes
+    -----
+    The DCNN uses 'valid' padding everywhere. On 32x32x3 CIFAR-10 images the
+    spatial size goes 32 -conv5-> 28 -pool-> 14 -conv3-> 12 -pool-> 6
+    -conv3-> 4 -conv3-> 2, so the classifier sees 2 x 2 x 2048 = 8192
+    features (8193 with the bias): its least-squares Gram is 8193 x 8193,
+    537 MB in float64, which every client builds and the server aggregates.
+    With 'same' padding the map would stay 8 x 8 after the two pools, giving
+    8 x 8 x 2048 = 131072 features and a 131073^2 Gram of about 137 GB:
+    infeasible for closed-form training, hence valid padding. (The
+    convolutions' own Grams are at most 3*3*2048 + 1 = 18433 square, 2.7 GB,
+    at full width.)
+    """
+    key = name.lower() if isinstance(name, str) else name
+    if key not in KNOWN_MODELS:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(repr(m) for m in KNOWN_MODELS)}")
+    input_shape = _as_shape("input_shape", input_shape)
+    n_classes = _positive_int("n_classes", n_classes)
+    if isinstance(width, bool) or not isinstance(width, numbers.Real) or not math.isfinite(width) or width <= 0:
+        raise ValueError(f"width must be a finite number > 0, got {width!r}")
+
+    def scaled(c):
+        return max(1, int(round(c * width)))
+
+    flatten = [Flatten()] if len(input_shape) > 1 else []
+    if key == "lr":
+        layers = flatten + [Dense(n_classes)]
+    elif key == "dnn":
+        layers = flatten + [Dense(scaled(128), "relu"), Dense(scaled(64), "relu"), Dense(n_classes)]
+    else:
+        if len(input_shape) != 3:
+            raise ValueError(f"the dcnn model needs image inputs (H, W, C), got input_shape {input_shape}")
+
+        def leaky():
+            return LeakyReLU(negative_slope)
+
+        layers = [
+            Conv2d(scaled(512), 5, activation=leaky()),
+            AvgPool2d(2),
+            Conv2d(scaled(1024), 3, activation=leaky()),
+            AvgPool2d(2),
+            Conv2d(scaled(2048), 3, activation=leaky()),
+            Conv2d(scaled(2048), 3, activation=leaky()),
+            Flatten(),
+            Dense(n_classes),
+        ]
+    return Model(layers, input_shape, dtype)
+
+
+def model_from_layers(specs, input_shape, dtype=np.float64):
+    """Model from a list of layer dicts (user-defined architectures).
+
+    Parameters
+    ----------
+    specs : list of dict
+        Each ``{"type": <name>, **params}`` with type one of ``"dense"``,
+        ``"conv2d"``, ``"avgpool2d"``, ``"flatten"`` (case-insensitive) and
+        params the constructor arguments of :class:`Dense`, :class:`Conv2d`,
+        :class:`AvgPool2d`, :class:`Flatten`, e.g.::
+
+            [{"type": "conv2d", "filters": 8, "kernel_size": 3, "activation": "relu"},
+             {"type": "avgpool2d"}, {"type": "flatten"}, {"type": "dense", "units": 10}]
+
+        Activations are names or dicts such as
+        ``{"name": "leaky_relu", "negative_slope": 0.1}``.
+    input_shape : tuple of int
+    dtype : float32 or float64, default=float64
+
+    Returns
+    -------
+    Model
+
+    Raises
+    ------
+    ValueError
+        Unknown type, unknown/missing/invalid parameter (the message names
+        the layer index, the key and the accepted keys), or shapes that do not
+        chain.
+    """
+    if isinstance(specs, (str, bytes, Mapping)) or not hasattr(specs, "__iter__"):
+        raise ValueError(f"layer specs must be a list of dicts, got {type(specs).__name__}")
+    types = ", ".join(repr(t) for t in LAYER_TYPES)
+    layers = []
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"layer {i}: expected a dict with a 'type' key, got {spec!r}")
+        if "type" not in spec:
+            raise ValueError(f"layer {i}: missing key 'type'; accepted types: {types}")
+        kind = spec["type"]
+        cls = LAYER_TYPES.get(kind.lower()) if isinstance(kind, str) else None
+        if cls is None:
+            raise ValueError(f"layer {i}: unknown type {kind!r}; accepted types: {types}")
+        accepted = ", ".join(("type",) + cls._PARAMS)
+        params = {k: v for k, v in spec.items() if k != "type"}
+        for key in params:
+            if key not in cls._PARAMS:
+                raise ValueError(f"layer {i} ({cls.type_name}): unknown key {key!r}; accepted keys: {accepted}")
+        for key in cls._REQUIRED:
+            if key not in params:
+                raise ValueError(f"layer {i} ({cls.type_name}): missing key {key!r}; accepted keys: {accepted}")
+        try:
+            layers.append(cls(**params))
+        except ValueError as exc:
+            # Constructor messages start with the offending parameter name.
+            raise ValueError(f"layer {i} ({cls.type_name}): invalid value: {exc}; accepted keys: {accepted}") from None
+    return Model(layers, input_shape, dtype)

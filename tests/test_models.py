@@ -1,0 +1,564 @@
+"""fedlayer.models against NumPy float64 references on fresh random inputs."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastls
+from conftest import assert_close
+from fedlayer.models import (
+    ACTIVATIONS,
+    AvgPool2d,
+    Conv2d,
+    Dense,
+    Flatten,
+    Identity,
+    LeakyReLU,
+    Model,
+    ReLU,
+    TrainableLayer,
+    build_model,
+    get_activation,
+    model_from_layers,
+)
+
+DTYPES = [np.float32, np.float64]
+
+
+def random(rng, shape, dtype=np.float64):
+    return np.asarray(rng.standard_normal(shape), dtype=dtype)
+
+
+def upper(A):
+    return np.triu(np.asarray(A, dtype=np.float64))
+
+
+def with_ones(A):
+    A = np.asarray(A, dtype=np.float64)
+    return np.hstack([A, np.ones((A.shape[0], 1))])
+
+
+def pad_nhwc(x, ph, pw):
+    return np.pad(np.asarray(x, dtype=np.float64), ((0, 0), (ph, ph), (pw, pw), (0, 0)))
+
+
+def naive_patches(x, kernel, stride, padding):
+    """Patch rows (image, y, x) with columns (ky, kx, channel), by loops."""
+    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
+    xp = pad_nhwc(x, ph, pw)
+    B, H, W, _ = xp.shape
+    oh, ow = (H - kh) // sh + 1, (W - kw) // sw + 1
+    rows = []
+    for b in range(B):
+        for i in range(oh):
+            for j in range(ow):
+                rows.append(xp[b, i * sh:i * sh + kh, j * sw:j * sw + kw, :].reshape(-1))
+    return np.array(rows), (oh, ow)
+
+
+def naive_conv(x, W, kernel, stride, padding, bias):
+    """Direct convolution: out[b, i, j, f] = sum_{ky,kx,c} xp[b, i s + ky, j s + kx, c] K[ky, kx, c, f] + bias."""
+    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
+    xp = pad_nhwc(x, ph, pw)
+    B, H, Wd, Cin = xp.shape
+    F = W.shape[1]
+    K = np.asarray(W[:kh * kw * Cin], dtype=np.float64).reshape(kh, kw, Cin, F)
+    oh, ow = (H - kh) // sh + 1, (Wd - kw) // sw + 1
+    out = np.zeros((B, oh, ow, F))
+    for b in range(B):
+        for i in range(oh):
+            for j in range(ow):
+                for ky in range(kh):
+                    for kx in range(kw):
+                        out[b, i, j] += xp[b, i * sh + ky, j * sw + kx] @ K[ky, kx]
+    if bias:
+        out += W[-1]
+    return out
+
+
+def naive_avgpool(x, pool, stride):
+    (ph, pw), (sh, sw) = pool, stride
+    B, H, W, C = x.shape
+    oh, ow = (H - ph) // sh + 1, (W - pw) // sw + 1
+    out = np.zeros((B, oh, ow, C))
+    for i in range(oh):
+        for j in range(ow):
+            out[:, i, j] = x[:, i * sh:i * sh + ph, j * sw:j * sw + pw].astype(np.float64).mean(axis=(1, 2))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Activations
+# ---------------------------------------------------------------------------
+
+def test_activations_match_numpy(rng):
+    x = random(rng, (7, 5))
+    np.testing.assert_array_equal(get_activation("identity")(x), x)
+    np.testing.assert_array_equal(get_activation(None)(x), x)
+    np.testing.assert_array_equal(get_activation("relu")(x), np.where(x > 0, x, 0))
+    np.testing.assert_allclose(get_activation("leaky_relu")(x), np.where(x > 0, x, 0.01 * x), rtol=1e-15)
+    np.testing.assert_allclose(LeakyReLU(0.2)(x), np.where(x > 0, x, 0.2 * x), rtol=1e-15)
+    # A slope above 1 is still x on the positive side.
+    np.testing.assert_allclose(LeakyReLU(3.0)(x), np.where(x > 0, x, 3.0 * x), rtol=1e-15)
+    assert get_activation("leaky_relu").negative_slope == 0.01
+    assert set(ACTIVATIONS) == {"identity", "relu", "leaky_relu"}
+
+
+@pytest.mark.parametrize("act", [ReLU(), LeakyReLU(0.1), Identity()])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_activation_call_keeps_input_and_inplace_agrees(rng, act, dtype):
+    x = random(rng, (4, 3, 2), dtype)
+    x0 = x.copy()
+    y = act(x)
+    np.testing.assert_array_equal(x, x0)
+    assert y.dtype == dtype
+    z = act.apply_inplace(x.copy())
+    np.testing.assert_array_equal(z, y)
+
+
+def test_get_activation_specs_and_errors():
+    act = LeakyReLU(0.3)
+    assert get_activation(act) is act
+    assert get_activation(act.config()) == act
+    assert get_activation("ReLU").name == "relu"
+    with pytest.raises(ValueError, match="known activations: 'identity', 'relu', 'leaky_relu'"):
+        get_activation("tanh")
+    with pytest.raises(ValueError, match="negative_slope"):
+        LeakyReLU(float("nan"))
+    with pytest.raises(ValueError, match="invalid parameters"):
+        get_activation({"name": "relu", "slope": 1})
+
+
+# ---------------------------------------------------------------------------
+# Flatten and AvgPool2d
+# ---------------------------------------------------------------------------
+
+def test_flatten(rng):
+    x = random(rng, (3, 4, 5, 2))
+    layer = Flatten()
+    assert layer.output_shape((4, 5, 2)) == (40,)
+    np.testing.assert_array_equal(layer.forward(x), x.reshape(3, 40))
+    assert layer.config() == {"type": "flatten"}
+
+
+@pytest.mark.parametrize(
+    "shape,pool,stride",
+    [((2, 8, 8, 3), 2, None), ((2, 7, 9, 2), 2, None), ((1, 11, 6, 4), 3, 2), ((3, 5, 5, 1), (2, 3), (1, 2)),
+     ((2, 4, 4, 2), 4, None)],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_avgpool_matches_loop(rng, shape, pool, stride, dtype):
+    x = random(rng, shape, dtype)
+    layer = AvgPool2d(pool, stride)
+    out = layer.forward(x)
+    ref = naive_avgpool(x, layer.pool_size, layer.stride)
+    assert out.shape == ref.shape == (shape[0], *layer.output_shape(shape[1:]))
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype, 16)
+
+
+def test_avgpool_floor_sizes_and_errors():
+    assert AvgPool2d(2).output_shape((7, 9, 3)) == (3, 4, 3)
+    assert AvgPool2d(3, 2).output_shape((11, 6, 1)) == (5, 2, 1)
+    assert AvgPool2d().stride == (2, 2)
+    with pytest.raises(ValueError, match="does not fit"):
+        AvgPool2d(4).output_shape((3, 8, 1))
+    with pytest.raises(ValueError, match=r"\(H, W, C\)"):
+        AvgPool2d().output_shape((10,))
+    with pytest.raises(ValueError, match="pool_size"):
+        AvgPool2d(0)
+
+
+# ---------------------------------------------------------------------------
+# Dense
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("g_order", ["C", "F"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("scratch_bytes", [64 * 2**20, 1000])
+def test_dense_accumulate_matches_numpy(rng, dtype, g_order, bias, scratch_bytes):
+    B, d, m = 300, 13, 4
+    x, z = random(rng, (B, d), dtype), random(rng, (B, m), dtype)
+    layer = Dense(m, bias=bias)
+    n_in, n_out = layer.ls_shape((d,))
+    assert (n_in, n_out) == (d + bias, m)
+    G0 = random(rng, (n_in, n_in))
+    C0 = random(rng, (n_in, m))
+    G, C = np.array(G0, order=g_order), np.array(C0, order=g_order)
+    layer.accumulate(G, C, x, z, scratch_bytes=scratch_bytes)
+    A = with_ones(x) if bias else x.astype(np.float64)
+    assert_close(upper(G), upper(G0 + A.T @ A), dtype, B)
+    assert_close(C, C0 + A.T @ z.astype(np.float64), dtype, B)
+    # The lower triangle is never written.
+    np.testing.assert_array_equal(np.tril(G, -1), np.tril(G0, -1))
+
+
+def test_dense_accumulate_non_contiguous_input_and_integer_pixels(rng):
+    x = random(rng, (50, 20))[:, ::2]  # strided view
+    z = random(rng, (50, 3))
+    G, C = np.zeros((11, 11)), np.zeros((11, 3))
+    Dense(3).accumulate(G, C, x, z)
+    A = with_ones(x)
+    assert_close(upper(G), upper(A.T @ A), np.float64, 50)
+    assert_close(C, A.T @ z, np.float64, 50)
+
+    pixels = rng.integers(0, 256, size=(30, 6), dtype=np.uint8)
+    G, C = np.zeros((7, 7)), np.zeros((7, 2))
+    Dense(2).accumulate(G, C, pixels, np.ones((30, 2)))
+    A = with_ones(pixels)
+    np.testing.assert_allclose(upper(G), upper(A.T @ A))
+
+
+def test_dense_ridge_solution_regularizes_bias_like_weights(rng):
+    # The accumulated statistics solve ridge on [x, 1], bias included.
+    x, z = random(rng, (200, 6)), random(rng, (200, 2))
+    layer = Dense(2)
+    G, C = np.zeros((7, 7)), np.zeros((7, 2))
+    layer.accumulate(G, C, x, z)
+    layer.set_weights(fastls.ridge_solve(G, C, 0.5))
+    A = with_ones(x)
+    W_ref = np.linalg.solve(A.T @ A + 0.5 * np.eye(7), A.T @ z)
+    np.testing.assert_allclose(layer.weights, W_ref, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(layer.forward(x), A @ W_ref, rtol=1e-10, atol=1e-12)
+    assert layer.weights.flags.c_contiguous
+
+
+def test_dense_forward_and_validation(rng):
+    layer = Dense(3, activation="relu")
+    W = random(rng, (5, 3))
+    layer.set_weights(W)
+    x = random(rng, (6, 4))
+    np.testing.assert_allclose(layer.forward(x), np.maximum(x @ W[:4] + W[4], 0), rtol=1e-13)
+    np.testing.assert_allclose(layer.pre_activation(x), x @ W[:4] + W[4], rtol=1e-13)
+    with pytest.raises(ValueError, match=r"expects input of shape \(B, 4\), got \(6, 5\)"):
+        layer.forward(random(rng, (6, 5)))
+    with pytest.raises(ValueError, match=r"\(n_inputs, 3\)"):
+        layer.set_weights(np.zeros((5, 2)))
+    with pytest.raises(ValueError, match="Flatten"):
+        layer.output_shape((4, 4, 1))
+    with pytest.raises(ValueError, match=r"G of shape \(5, 5\)"):
+        layer.accumulate(np.zeros((4, 4)), np.zeros((5, 3)), x, np.zeros((6, 3)))
+    with pytest.raises(ValueError, match=r"targets z must have shape \(6, 3\)"):
+        layer.accumulate(np.zeros((5, 5)), np.zeros((5, 3)), x, np.zeros((6, 2)))
+    with pytest.raises(RuntimeError, match="no weights"):
+        Dense(2).forward(x)
+    with pytest.raises(ValueError, match="units"):
+        Dense(0)
+
+
+# ---------------------------------------------------------------------------
+# Conv2d
+# ---------------------------------------------------------------------------
+
+CONV_CASES = [
+    # (image shape (B, H, W, C), kernel, stride, padding)
+    ((3, 6, 6, 2), 3, 1, "valid"),
+    ((2, 7, 5, 3), 3, 1, "same"),
+    ((2, 9, 8, 1), (2, 3), 2, 1),
+    ((2, 8, 7, 2), 5, (2, 1), (2, 0)),
+]
+
+
+def _padding_pair(padding, kernel):
+    if padding == "valid":
+        return (0, 0)
+    if padding == "same":
+        return (kernel[0] // 2, kernel[1] // 2)
+    return (padding, padding) if isinstance(padding, int) else padding
+
+
+def small_scratch(n_in):
+    """A scratch budget of a few patch rows (plus the float32 tile of the
+    mixed-precision path), so the streamed kernels take several chunks."""
+    return 4 * n_in * n_in + 8 * n_in * 6
+
+
+@pytest.mark.parametrize("shape,kernel,stride,padding", CONV_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_accumulate_matches_per_position_reference(rng, shape, kernel, stride, padding, dtype, bias):
+    filters = 4
+    layer = Conv2d(filters, kernel, stride=stride, padding=padding, bias=bias)
+    x, z = random(rng, shape, dtype), random(rng, (shape[0], filters), dtype)
+    n_in, n_out = layer.ls_shape(shape[1:])
+    G0, C0 = random(rng, (n_in, n_in)), random(rng, (n_in, n_out))
+    G, C = G0.copy(order="F"), C0.copy()
+    layer.accumulate(G, C, x, z, scratch_bytes=small_scratch(n_in))
+    P, (oh, ow) = naive_patches(x, layer.kernel_size, layer.stride, _padding_pair(padding, layer.kernel_size))
+    assert (oh, ow, filters) == layer.output_shape(shape[1:])
+    if bias:
+        P = with_ones(P)
+    assert P.shape[1] == n_in
+    # Each image's target applies at every one of its output positions.
+    T = np.repeat(z.astype(np.float64), oh * ow, axis=0)
+    n_terms = P.shape[0]
+    assert_close(upper(G), upper(G0 + P.T @ P), dtype, n_terms)
+    assert_close(C, C0 + P.T @ T, dtype, n_terms)
+    np.testing.assert_array_equal(np.tril(G, -1), np.tril(G0, -1))
+
+
+def test_conv_accumulate_per_position_targets(rng):
+    layer = Conv2d(3, 3, padding=1)
+    x = random(rng, (2, 5, 4, 2))
+    oh, ow, _ = layer.output_shape(x.shape[1:])
+    z = random(rng, (2, oh, ow, 3))
+    G, C = np.zeros((19, 19)), np.zeros((19, 3))
+    layer.accumulate(G, C, x, z)
+    P = with_ones(fastls.im2col(x, 3, padding=1))
+    assert_close(upper(G), upper(P.T @ P), np.float64, P.shape[0])
+    assert_close(C, P.T @ z.reshape(-1, 3), np.float64, P.shape[0])
+
+
+@pytest.mark.parametrize("shape,kernel,stride,padding", CONV_CASES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_pre_activation_matches_loop(rng, shape, kernel, stride, padding, bias):
+    filters = 3
+    layer = Conv2d(filters, kernel, stride=stride, padding=padding, bias=bias, activation="leaky_relu")
+    W = random(rng, layer.ls_shape(shape[1:]))
+    layer.set_weights(W)
+    x = random(rng, shape)
+    ref = naive_conv(x, W, layer.kernel_size, layer.stride, _padding_pair(padding, layer.kernel_size), bias)
+    # A tiny scratch forces one image per im2col chunk.
+    out = layer.pre_activation(x, scratch_bytes=1)
+    assert out.shape == (shape[0], *layer.output_shape(shape[1:]))
+    assert_close(out, ref, np.float64, W.shape[0])
+    assert_close(layer.pre_activation(x), ref, np.float64, W.shape[0])
+    assert_close(layer.forward(x), np.where(ref > 0, ref, 0.01 * ref), np.float64, W.shape[0])
+
+
+def test_conv_validation(rng):
+    with pytest.raises(ValueError, match="same"):
+        Conv2d(2, 4, padding="same")
+    with pytest.raises(ValueError, match="same"):
+        Conv2d(2, 3, stride=2, padding="same")
+    with pytest.raises(ValueError, match="padding"):
+        Conv2d(2, 3, padding="full")
+    with pytest.raises(ValueError, match="kernel_size"):
+        Conv2d(2, 0)
+    layer = Conv2d(2, 3)
+    with pytest.raises(ValueError, match="does not fit"):
+        layer.output_shape((2, 5, 1))
+    layer.set_weights(random(rng, (3 * 3 * 2 + 1, 2)))
+    with pytest.raises(ValueError, match=r"2 channels .*got \(1, 5, 5, 3\)"):
+        layer.forward(random(rng, (1, 5, 5, 3)))
+    with pytest.raises(ValueError, match="weight rows"):
+        Conv2d(2, 3).set_weights(np.zeros((11, 2)))
+
+
+# ---------------------------------------------------------------------------
+# Streaming: several batches equal one batch
+# ---------------------------------------------------------------------------
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    cuts=st.lists(st.integers(0, 12), min_size=0, max_size=3),
+    conv=st.booleans(),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_streaming_accumulate_equals_single_batch(seed, cuts, conv, dtype):
+    rng = np.random.default_rng(seed)
+    B = 12
+    if conv:
+        layer, x = Conv2d(3, 2, stride=(1, 2)), random(rng, (B, 5, 6, 2), dtype)
+        n_in = 2 * 2 * 2 + 1
+    else:
+        layer, x = Dense(3), random(rng, (B, 7), dtype)
+        n_in = 8
+    z = random(rng, (B, 3), dtype)
+    G1, C1 = np.zeros((n_in, n_in)), np.zeros((n_in, 3))
+    layer.accumulate(G1, C1, x, z)
+    G2, C2 = np.zeros_like(G1), np.zeros_like(C1)
+    bounds = [0, *sorted(cuts), B]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        layer.accumulate(G2, C2, x[a:b], z[a:b], scratch_bytes=small_scratch(n_in))
+    n_terms = B * (20 if conv else 1)
+    assert_close(upper(G2), upper(G1), dtype, n_terms)
+    assert_close(C2, C1, dtype, n_terms)
+
+
+# ---------------------------------------------------------------------------
+# Model and builders
+# ---------------------------------------------------------------------------
+
+def fill_weights(model, rng, scale=0.3):
+    for i in model.trainable:
+        model.layers[i].set_weights(scale * random(rng, model.layers[i].ls_shape(model.input_shape_of(i))))
+    return model
+
+
+@pytest.mark.parametrize("input_shape,flat", [((60,), 60), ((28, 28, 1), 784)])
+def test_build_lr_and_dnn_shapes(rng, input_shape, flat):
+    lr = build_model("lr", input_shape, 10)
+    assert len(lr.trainable) == 1
+    i = lr.trainable[0]
+    assert lr.layers[i].ls_shape(lr.input_shape_of(i)) == (flat + 1, 10)
+    assert isinstance(lr.layers[i].activation, Identity)
+    assert lr.output_shape == (10,)
+    assert (len(lr.layers) == 2) == (len(input_shape) > 1)
+
+    dnn = build_model("dnn", input_shape, 10)
+    shapes = [dnn.layers[i].ls_shape(dnn.input_shape_of(i)) for i in dnn.trainable]
+    assert shapes == [(flat + 1, 128), (129, 64), (65, 10)]
+    assert [dnn.layers[i].activation.name for i in dnn.trainable] == ["relu", "relu", "identity"]
+    assert dnn.n_parameters() == sum(a * b for a, b in shapes)
+
+    fill_weights(dnn, rng)
+    x = random(rng, (5, *input_shape))
+    assert dnn.forward(x).shape == (5, 10)
+    assert dnn.forward(x, stop=dnn.trainable[1]).shape == (5, 128)
+    labels = dnn.predict(x)
+    assert labels.dtype == np.int64 and labels.shape == (5,)
+
+
+def test_build_dcnn_narrow_shapes_and_forward(rng):
+    model = build_model("dcnn", (32, 32, 3), 10, width=1 / 64)
+    c = round(2048 / 64)
+    assert [model.input_shape_of(i) for i in range(len(model.layers) + 1)] == [
+        (32, 32, 3), (28, 28, 8), (14, 14, 8), (12, 12, 16), (6, 6, 16), (4, 4, c), (2, 2, c), (2 * 2 * c,), (10,)]
+    last = model.trainable[-1]
+    assert model.layers[last].ls_shape(model.input_shape_of(last)) == (2 * 2 * c + 1, 10)
+    assert [model.layers[i].activation.name for i in model.trainable] == ["leaky_relu"] * 4 + ["identity"]
+    fill_weights(model, rng, 0.1)
+    x = random(rng, (5, 32, 32, 3))
+    full = model.forward(x)
+    assert full.shape == (5, 10)
+    # Chunked forward and resuming from a cached activation give the same result.
+    np.testing.assert_allclose(model.forward(x, batch_size=2), full, rtol=1e-12, atol=1e-12)
+    mid = model.forward(x, stop=4)
+    np.testing.assert_allclose(model.forward(mid, start=4), full, rtol=1e-12, atol=1e-12)
+
+
+def test_build_dcnn_full_width_gram_size():
+    model = build_model("dcnn", (32, 32, 3), 10)
+    last = model.trainable[-1]
+    assert model.input_shape_of(last) == (8192,)
+    assert model.layers[last].ls_shape(model.input_shape_of(last)) == (8193, 10)
+    assert [model.layers[i].filters for i in model.trainable[:-1]] == [512, 1024, 2048, 2048]
+    assert model.layers[model.trainable[-1]].weights is None
+
+
+def test_build_model_errors():
+    with pytest.raises(ValueError, match="'lr', 'dnn', 'dcnn'"):
+        build_model("cnn", (60,), 10)
+    with pytest.raises(ValueError, match=r"\(H, W, C\)"):
+        build_model("dcnn", (60,), 10)
+    with pytest.raises(ValueError, match="width"):
+        build_model("dcnn", (32, 32, 3), 10, width=0)
+    assert build_model("DNN", (60,), 3, width=0.5).layers[0].units == 64
+
+
+def test_model_forward_validation_and_dtype(rng):
+    model = fill_weights(build_model("dnn", (6,), 3, dtype=np.float32), rng)
+    assert all(model.layers[i].weights.dtype == np.float32 for i in model.trainable)
+    assert model.forward(random(rng, (4, 6))).dtype == np.float32
+    with pytest.raises(ValueError, match=r"must have shape \(B, 6\), got \(4, 7\)"):
+        model.forward(np.zeros((4, 7)))
+    with pytest.raises(ValueError, match=r"must have shape \(B, 6\), got \(6,\)"):
+        model.forward(np.zeros(6))
+    with pytest.raises(RuntimeError, match="layer 0"):
+        build_model("lr", (6,), 3).forward(np.zeros((2, 6)))
+    with pytest.raises(ValueError, match="layer 0"):
+        Model([Dense(3)], (4, 4, 1))
+    assert model.input_shape_of(-1) == (64,)
+    with pytest.raises(IndexError):
+        model.input_shape_of(5)
+
+
+def test_model_accuracy_and_predict(rng):
+    model = Model([Dense(3, bias=False)], (3,))
+    model.layers[0].set_weights(np.eye(3))
+    x = random(rng, (40, 3))
+    y = x.argmax(axis=1)
+    y_wrong = y.copy()
+    y_wrong[:7] = (y_wrong[:7] + 1) % 3
+    np.testing.assert_array_equal(model.predict(x, batch_size=7), y)
+    assert model.accuracy(x, y) == (40, 40)
+    assert model.accuracy(x, y_wrong) == (33, 40)
+    assert model.accuracy(x, np.eye(3)[y]) == (40, 40)
+
+
+def test_copy_is_deep(rng):
+    model = fill_weights(build_model("dnn", (5,), 2), rng)
+    clone = model.copy()
+    x = random(rng, (6, 5))
+    np.testing.assert_array_equal(clone.forward(x), model.forward(x))
+    clone.layers[0].weights[:] = 0
+    assert np.abs(model.layers[0].weights).sum() > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_save_load_round_trip(rng, tmp_path, dtype):
+    model = model_from_layers(
+        [{"type": "conv2d", "filters": 4, "kernel_size": 3, "activation": "relu"},
+         {"type": "avgpool2d"},
+         {"type": "conv2d", "filters": 3, "kernel_size": (1, 2), "stride": (1, 2), "padding": 1, "bias": False,
+          "activation": {"name": "leaky_relu", "negative_slope": 0.2}},
+         {"type": "flatten"},
+         {"type": "dense", "units": 5}],
+        (9, 8, 2),
+        dtype,
+    )
+    fill_weights(model, rng)
+    x = random(rng, (7, 9, 8, 2))
+    path = tmp_path / "model.npz"
+    metadata = {"algorithm": "fedacnnl", "gamma": 0.5, "round": np.int64(3), "acc": [0.1, 0.2]}
+    model.save(path, metadata)
+    loaded, meta = Model.load(path)
+    assert meta == {"algorithm": "fedacnnl", "gamma": 0.5, "round": 3, "acc": [0.1, 0.2]}
+    assert loaded.config() == model.config()
+    assert loaded.dtype == dtype
+    np.testing.assert_array_equal(loaded.forward(x), model.forward(x))
+    np.testing.assert_array_equal(loaded.predict(x), model.predict(x))
+    assert json.loads(json.dumps(model.config())) == model.config()
+    assert loaded.layers[2].activation.negative_slope == 0.2
+
+
+def test_save_load_untrained_layers(tmp_path):
+    model = build_model("dnn", (4,), 2)
+    model.layers[0].set_weights(np.ones((5, 128)))
+    model.save(tmp_path / "partial.npz")
+    loaded, meta = Model.load(tmp_path / "partial.npz")
+    assert meta == {}
+    np.testing.assert_array_equal(loaded.layers[0].weights, 1)
+    assert loaded.layers[1].weights is None and loaded.layers[2].weights is None
+
+
+def test_model_from_layers_errors_name_the_key():
+    expected = r"layer 1 \(dense\): unknown key 'unit'; accepted keys: type, units, activation, bias"
+    with pytest.raises(ValueError, match=expected):
+        model_from_layers([{"type": "flatten"}, {"type": "dense", "unit": 10}], (4, 4, 1))
+    with pytest.raises(ValueError, match=r"layer 1 \(dense\): missing key 'units'"):
+        model_from_layers([{"type": "flatten"}, {"type": "dense"}], (4, 4, 1))
+    with pytest.raises(ValueError, match=r"layer 0: unknown type 'maxpool2d'; accepted types: 'dense', 'conv2d'"):
+        model_from_layers([{"type": "maxpool2d"}], (4, 4, 1))
+    with pytest.raises(ValueError, match=r"layer 0 \(conv2d\): invalid value: filters must be a positive integer.*"
+                                         r"accepted keys: type, filters, kernel_size"):
+        model_from_layers([{"type": "conv2d", "filters": -1, "kernel_size": 3}], (4, 4, 1))
+    with pytest.raises(ValueError, match=r"layer 0 \(dense\): invalid value: activation: unknown activation 'gelu'"):
+        model_from_layers([{"type": "dense", "units": 2, "activation": "gelu"}], (4,))
+    with pytest.raises(ValueError, match="layer 0: missing key 'type'"):
+        model_from_layers([{"units": 2}], (4,))
+    with pytest.raises(ValueError, match=r"layer 1 .*Flatten"):
+        model_from_layers(
+            [{"type": "conv2d", "filters": 2, "kernel_size": 3}, {"type": "dense", "units": 2}], (5, 5, 1)
+        )
+
+
+def test_model_from_layers_builds_what_it_is_told():
+    model = model_from_layers(
+        [{"type": "conv2d", "filters": 8, "kernel_size": 3, "activation": "relu"}, {"type": "avgpool2d"},
+         {"type": "flatten"}, {"type": "dense", "units": 10}],
+        (28, 28, 1),
+        np.float64,
+    )
+    assert [type(layer) for layer in model.layers] == [Conv2d, AvgPool2d, Flatten, Dense]
+    assert model.trainable == [0, 3]
+    assert all(isinstance(model.layers[i], TrainableLayer) for i in model.trainable)
+    assert model.input_shape_of(3) == (13 * 13 * 8,)
+    assert model.n_parameters() == (9 + 1) * 8 + (13 * 13 * 8 + 1) * 10
+    assert Model.from_config(model.config()).config() == model.config()
