@@ -1,0 +1,103 @@
+"""fedlayer run / plot / predict end to end on small synthetic configurations."""
+
+import json
+
+import numpy as np
+import pytest
+
+from fedlayer.cli import main
+from fedlayer.models import Model
+from fedlayer.run import RunConfig, client_cores, run
+
+SMALL = ["--clients", "12", "--groups", "3", "--synthetic-alpha", "0.5", "--synthetic-beta", "0.5"]
+
+
+def test_run_writes_results_models_and_plots(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", *SMALL, "--algorithm", "pfedacnnl", "--output", str(out), "--quiet"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["algorithm"] == "pfedacnnl"
+    assert results["n_clients"] == 12
+    stages = [r["stage"] for r in results["rounds"].values()]
+    assert stages == ["initialization"] + ["federated"] * 3 + ["personalization"] * 3
+    federated = [r for r in results["rounds"].values() if r["stage"] == "federated"]
+    assert all(len(r["clients"]) == 12 and all("batch_size" in c for c in r["clients"].values()) for r in federated)
+    assert 0.5 < results["accuracy"] <= 1.0
+    t = results["time_per_client"]
+    assert t["total_s"] == pytest.approx(t["compute_s"] + t["idle_s"] + t["comm_s"])
+    groups = sorted(set(results["groups"].values()))
+    assert groups == [0, 1, 2]
+    assert sorted(p.name for p in out.glob("model_group*.npz")) == [f"model_group{k}.npz" for k in groups]
+
+    assert main(["plot", str(out / "results.json")]) == 0
+    for png in ("accuracy.png", "time_breakdown.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_saved_model_predicts_like_the_run(tmp_path, capsys):
+    out = tmp_path / "fed"
+    assert main(["run", *SMALL, "--algorithm", "fedacnnl", "--output", str(out), "--quiet"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    model, metadata = Model.load(out / "model.npz")
+    assert metadata["algorithm"] == "fedacnnl"
+    capsys.readouterr()
+    assert main(["predict", str(out / "model.npz"), "--dataset", "synthetic", "--clients", "12"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # FedACnnL evaluates the one global model on every local test split: the same number.
+    assert report["accuracy"] == pytest.approx(results["accuracy"], abs=1e-12)
+
+
+def test_config_file_and_flags(tmp_path):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"algorithm": "fedacnnl-wa", "clients": 8, "model": "lr", "batch_size": 32}))
+    out = tmp_path / "o"
+    assert main(["run", "--config", str(cfg), "--seed", "4", "--output", str(out), "--quiet"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["algorithm"] == "fedacnnl-wa" and results["config"]["seed"] == 4
+    sizes = {c["batch_size"] for c in results["rounds"]["1"]["clients"].values()}
+    assert sizes == {32}
+
+
+def test_fedacnnl_and_wa_reach_the_same_model():
+    """Adaptive batch sizes do not change the weights (weight invariance) on real CLI configs."""
+    a = run(RunConfig(algorithm="fedacnnl", clients=10, model="dnn"))
+    b = run(RunConfig(algorithm="fedacnnl-wa", clients=10, model="dnn"))
+    for Wa, Wb in zip(a["group_weights"][0], b["group_weights"][0]):
+        assert np.abs(Wa - Wb).max() <= 1e-10 * np.abs(Wb).max()
+    assert a["accuracy"] == b["accuracy"]
+
+
+def test_acnnl_is_one_pooled_client():
+    results = run(RunConfig(algorithm="acnnl", clients=10, model="lr"))
+    assert results["n_clients"] == 1
+    assert results["time_per_client"]["comm_s"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--dataset", "imagenet"], "known"),
+        (["--groups", "20", "--clients", "5"], "groups (K=20) cannot exceed the number of clients (5)"),
+        (["--gamma", "-1"], "gamma must be a finite number > 0"),
+        (["--batch-size", "2048"], "must not exceed max_batch_size"),
+        (["--dataset", "mnist", "--data-dir", "/nonexistent"], "/nonexistent"),
+    ],
+)
+def test_bad_input_is_a_clear_error(argv, message, capsys):
+    assert main(["run", "--quiet", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+
+
+def test_unknown_config_key(tmp_path, capsys):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"learning_rate": 0.1}))
+    assert main(["run", "--config", str(cfg)]) == 2
+    assert "unknown configuration keys ['learning_rate']" in capsys.readouterr().err
+
+
+def test_client_cores_are_seeded_and_bounded():
+    a = client_cores(100, seed=1, available=4)
+    assert a == client_cores(100, seed=1, available=4)
+    assert set(a) == {1, 2, 3, 4}
+    assert client_cores(5, seed=0, cores=[1, 3]) == [1, 3, 1, 3, 1]

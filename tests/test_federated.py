@@ -1,0 +1,227 @@
+"""FedACnnL / pFedACnnL protocol: weight invariance, personalization, clustering, time, memory, errors."""
+
+import tracemalloc
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastls
+from fedlayer.client import Client, encoder_for_clustering, label_encoders
+from fedlayer.data import ClientData
+from fedlayer.federated import VARIANTS, Clock, Variant, adaptive_batch_sizes, run_protocol, time_summary
+from fedlayer.models import build_model
+from fedlayer.transport import InProcessTransport
+
+N_CLASSES = 4
+
+
+def make_data(rng, n=240, d=12):
+    centers = rng.standard_normal((N_CLASSES, d)) * 2
+    y = rng.integers(0, N_CLASSES, size=n)
+    x = centers[y] + rng.standard_normal((n, d))
+    return x, y
+
+
+def client_data(x, y, idx, n_test=5):
+    test = np.arange(n_test) % len(x)
+    return ClientData(x_train=x[idx], y_train=y[idx], x_test=x[test], y_test=y[test])
+
+
+def dnn_config(d):
+    return build_model("dnn", (d,), N_CLASSES, width=0.25).config()
+
+
+def run_clients(datas, variant, *, config, batch_size=8, order=None, **kwargs):
+    clients = [Client(i, data, config, seed=3, n_classes=N_CLASSES) for i, data in enumerate(datas)]
+    if order is not None:
+        clients = [clients[i] for i in order]
+    transport = InProcessTransport(clients)
+    n_layers = sum(1 for layer in config["layers"] if "units" in layer or "filters" in layer)
+    outcome = run_protocol(transport, n_layers, variant, batch_size=batch_size, **kwargs)
+    return outcome, transport
+
+
+def max_rel_err(A, B):
+    return np.abs(A - B).max() / np.abs(B).max()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n_clients=st.integers(1, 9),
+    seed=st.integers(0, 2**31),
+    adaptive=st.booleans(),
+    data=st.data(),
+)
+def test_fedacnnl_equals_centralized_acnnl(n_clients, seed, adaptive, data):
+    """The weight-invariant property: any partition, batch sizes and client order give ACnnL's weights."""
+    rng = np.random.default_rng(seed)
+    x, y = make_data(rng)
+    config = dnn_config(x.shape[1])
+    central, _ = run_clients([client_data(x, y, np.arange(len(x)))], Variant(adaptive=False), config=config,
+                             batch_size=len(x), max_batch_size=len(x))
+    # Random disjoint partition covering every sample (clients may be very unequal).
+    cuts = np.sort(rng.choice(np.arange(1, len(x)), size=n_clients - 1, replace=False))
+    parts = np.split(rng.permutation(len(x)), cuts)
+    batches = {i: data.draw(st.integers(1, 64)) for i in range(n_clients)}
+    order = data.draw(st.permutations(range(n_clients)))
+    federated, _ = run_clients([client_data(x, y, p) for p in parts], Variant(adaptive=adaptive), config=config,
+                               batch_size=batches, max_batch_size={i: 64 for i in range(n_clients)}, order=order)
+    for W_fed, W_central in zip(federated["group_weights"][0], central["group_weights"][0]):
+        assert max_rel_err(W_fed, W_central) <= 1e-10
+
+
+def test_centralized_acnnl_matches_numpy_layer_by_layer(rng):
+    """ACnnL itself: each layer is the ridge solution of eq. (2) on the previous layer's outputs."""
+    x, y = make_data(rng, n=150, d=7)
+    config = dnn_config(7)
+    outcome, transport = run_clients([client_data(x, y, np.arange(150))], Variant(adaptive=False), config=config,
+                                     batch_size=150, max_batch_size=150, gamma=3.0)
+    client = transport.client(0)
+    encoders = label_encoders(3, N_CLASSES, [32, 16, N_CLASSES])
+    Y = np.eye(N_CLASSES)[y]
+    h = x
+    for position, W in enumerate(outcome["group_weights"][0]):
+        A = np.hstack([h, np.ones((len(h), 1))])
+        Z = Y @ encoders[position] if position < len(encoders) else Y
+        W_ref = np.linalg.solve(A.T @ A + 3.0 * np.eye(A.shape[1]), A.T @ Z)
+        assert max_rel_err(W, W_ref) <= 1e-10
+        h = np.maximum(A @ W_ref, 0) if position < 2 else A @ W_ref
+    assert client.evaluate()["total"] == 5
+
+
+def test_personalization_solves_eq13(rng):
+    x, y = make_data(rng, n=60, d=5)
+    config = build_model("lr", (5,), N_CLASSES).config()
+    client = Client(0, client_data(x, y, np.arange(60)), config, seed=0, n_classes=N_CLASSES)
+    M = rng.standard_normal((6, N_CLASSES))
+    client.set_weights(0, M)
+    client.personalize(0, eps=7.0, batch_size=13)
+    A = np.hstack([x, np.ones((60, 1))])
+    Y = np.eye(N_CLASSES)[y]
+    W_ref = np.linalg.solve(A.T @ A + 7.0 * np.eye(6), A.T @ Y + 7.0 * M)
+    assert max_rel_err(client.model.layers[client.model.trainable[0]].weights, W_ref) <= 1e-12
+
+
+def test_label_summary_is_eq9(rng):
+    x, y = make_data(rng, n=40, d=5)
+    config = dnn_config(5)
+    client = Client(0, client_data(x, y, np.arange(40)), config, seed=11, n_classes=N_CLASSES)
+    encoders = label_encoders(11, N_CLASSES, [32, 16, N_CLASSES])
+    Q_enc = encoder_for_clustering(encoders, N_CLASSES)
+    assert Q_enc.shape == (N_CLASSES, 16)  # the narrowest hidden layer (eq. 8)
+    expected = np.bincount(y, minlength=N_CLASSES) / 40 @ Q_enc
+    np.testing.assert_allclose(client.label_summary()["h"], expected, rtol=1e-12)
+
+
+def test_clustering_groups_clients_with_the_same_labels(rng):
+    x, y = make_data(rng, n=400, d=6)
+    by_class = [np.flatnonzero(y == c) for c in range(N_CLASSES)]
+    # Clients 0-2 hold classes {0, 1}; clients 3-5 hold classes {2, 3}.
+    parts = [np.concatenate([by_class[0][i::3], by_class[1][i::3]]) for i in range(3)]
+    parts += [np.concatenate([by_class[2][i::3], by_class[3][i::3]]) for i in range(3)]
+    outcome, transport = run_clients([client_data(x, y, p) for p in parts], VARIANTS["pfedacnnl"],
+                                     config=dnn_config(6), groups=2)
+    groups = outcome["groups"]
+    assert len({groups[str(i)] for i in range(3)}) == 1
+    assert len({groups[str(i)] for i in range(3, 6)}) == 1
+    assert groups["0"] != groups["3"]
+    assert len(outcome["group_weights"]) == 2
+    # Personalization ran: each client's last layer differs from its group's meta-model.
+    stages = [r["stage"] for r in outcome["rounds"]]
+    assert stages == ["initialization"] + ["federated"] * 3 + ["personalization"] * 3
+    client = transport.client(0)
+    assert not np.allclose(client.model.layers[client.model.trainable[-1]].weights,
+                           outcome["group_weights"][groups["0"]][-1])
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_every_variant_runs_and_learns(rng, name):
+    x, y = make_data(rng, n=300, d=8)
+    parts = np.array_split(rng.permutation(300), 6)
+    outcome, _ = run_clients([client_data(x, y, p, n_test=60) for p in parts], VARIANTS[name],
+                             config=dnn_config(8), groups=2)
+    assert outcome["accuracy"] > 0.8  # well-separated classes
+    variant = VARIANTS[name]
+    assert ("initialization" in [r["stage"] for r in outcome["rounds"]]) == variant.cluster
+    assert ("personalization" in [r["stage"] for r in outcome["rounds"]]) == variant.personalize
+
+
+def test_groups_larger_than_clients_is_an_error(rng):
+    x, y = make_data(rng, n=40)
+    with pytest.raises(ValueError, match=r"groups \(K=10\) cannot exceed the number of clients \(2\)"):
+        run_clients([client_data(x, y, np.arange(20)), client_data(x, y, np.arange(20, 40))],
+                    VARIANTS["pfedacnnl"], config=dnn_config(12), groups=10)
+
+
+def test_nan_in_client_data_is_a_clear_error(rng):
+    x, y = make_data(rng, n=40)
+    x[3, 2] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        run_clients([client_data(x, y, np.arange(40))], VARIANTS["fedacnnl"], config=dnn_config(12))
+
+
+def test_adaptive_batch_sizes_eq7():
+    first = {0: 1.0, 1: 2.0, 2: 4.0}
+    now = {0: 1.5, 1: 2.0, 2: 8.0}
+    sizes = adaptive_batch_sizes(now, first, {0: 10, 1: 10, 2: 10}, {0: 100, 1: 100, 2: 50})
+    assert sizes == {0: 15, 1: 20, 2: 50}  # ceil(1.5/1*10), ceil(2/1*10), capped at B_max
+
+
+def test_time_accounting(rng):
+    x, y = make_data(rng, n=200)
+    parts = np.array_split(np.arange(200), 4)
+    clock = Clock(bandwidth_bytes_per_s=1e6, latency_s=1e-3)
+    outcome, _ = run_clients([client_data(x, y, p) for p in parts], VARIANTS["fedacnnl-wa"], config=dnn_config(12),
+                             clock=clock)
+    for record in outcome["rounds"]:
+        clients = record["clients"]
+        arrivals = {cid: t["arrival_s"] for cid, t in clients.items()}
+        slowest = max(arrivals.values())
+        for cid, t in clients.items():
+            assert t["idle_s"] == pytest.approx(slowest - t["arrival_s"])
+            assert t["comm_s"] > 1e-3  # latency up and down, plus bytes / bandwidth
+        assert min(t["idle_s"] for t in clients.values()) == 0.0
+    # First layer: G is 13 x 13 and C 13 x 32 in float64 uploaded at 1 MB/s.
+    first = outcome["rounds"][0]["clients"]["0"]
+    up = 1e-3 + (13 * 13 + 13 * 32) * 8 / 1e6
+    down = 1e-3 + (13 * 32 * 8 + 8) / 1e6
+    assert first["comm_s"] == pytest.approx(up + down)
+    summary = time_summary(outcome["rounds"])
+    assert summary["total_s"] == pytest.approx(summary["compute_s"] + summary["idle_s"] + summary["comm_s"])
+
+
+def test_server_memory_does_not_grow_with_clients(rng):
+    """Statistics are folded as they arrive: peak memory is flat in the number of clients."""
+    d = 300
+    x = rng.standard_normal((1200, d))
+    y = rng.integers(0, N_CLASSES, size=1200)
+    config = build_model("lr", (d,), N_CLASSES).config()
+    peaks = {}
+    for n_clients in (2, 40):
+        parts = np.array_split(np.arange(1200), n_clients)
+        clients = [Client(i, client_data(x, y, p), config, seed=0, n_classes=N_CLASSES) for i, p in enumerate(parts)]
+        transport = InProcessTransport(clients)
+        tracemalloc.start()
+        run_protocol(transport, 1, VARIANTS["fedacnnl-wa"], batch_size=16)
+        peaks[n_clients] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    stat_bytes = (d + 1) * (d + 1) * 8
+    # Holding every client's G would need 40 of them (29 MB); folding needs a few.
+    assert peaks[40] < peaks[2] + 4 * stat_bytes
+
+
+def test_client_cores_limit_blas_threads(rng, monkeypatch):
+    x, y = make_data(rng, n=50)
+    client = Client(0, client_data(x, y, np.arange(50)), dnn_config(12), seed=0, n_classes=N_CLASSES, cores=1)
+    seen = []
+    original = fastls.gram_update
+
+    def spy(G, X, **kwargs):
+        seen.append(max(lib["num_threads"] for lib in fastls.blas_info()))
+        return original(G, X, **kwargs)
+
+    monkeypatch.setattr(fastls, "gram_update", spy)
+    client.local_stats(0, 16)
+    assert seen and set(seen) == {1}
