@@ -146,11 +146,14 @@ def build(config: RunConfig, dataset):
     return model
 
 
-def run(config: RunConfig, transport=None, progress=None):
-    """Run ``config`` in process (or over ``transport``); returns the results dict and writes it if asked."""
+def run(config: RunConfig, transport=None, progress=None, dataset=None):
+    """Run ``config`` in process (or over ``transport``); returns the results dict and writes it if asked.
+
+    ``dataset`` skips loading when the caller already holds ``load_dataset(config)``.
+    """
     config.validate()
     start = time.perf_counter()
-    dataset = load_dataset(config)
+    dataset = load_dataset(config) if dataset is None else dataset
     model = build(config, dataset)
     if transport is None:
         transport = InProcessTransport(make_clients(config, dataset, model.config()))
