@@ -29,12 +29,16 @@ def _run_parser(sub):
         if field.name == "cores":
             p.add_argument(flag, type=lambda s: [int(c) for c in s.split(",")], default=None,
                            help="comma-separated cores per client, cycled (default: random 1..available per seed)")
+        elif isinstance(default, bool):
+            p.add_argument(flag, action="store_true", default=None, help=f"(default {default})")
         elif field.name == "algorithm":
             p.add_argument(flag, choices=sorted(VARIANTS), default=None, help=f"(default {default})")
         else:
             kind = type(default) if default is not None else str
             p.add_argument(flag, type=kind, default=None, help=f"(default {default})")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    p.add_argument("--mpi-deadline", type=float, default=600.0,
+                   help="under mpiexec: longest wait (s) for a rank's next result before aborting (default 600)")
     return p
 
 
@@ -80,13 +84,26 @@ def cmd_run(args):
 
     config = _config_from_args(args)
     config.validate()
+    from . import mpi
+
+    comm = mpi.world()  # None unless launched by mpiexec with more than one rank
+    if comm is not None and comm.Get_rank() > 0:
+        return mpi.serve(comm, config)
+    transport = None if comm is None else mpi.MPITransport(comm, deadline_s=args.mpi_deadline)
     bar = None if args.quiet else tqdm(desc=f"{config.algorithm}", unit="round", file=sys.stderr)
 
     def progress(message):
         bar.update(1)
         bar.set_postfix_str(message)
 
-    results = run(config, progress=None if bar is None else progress)
+    try:
+        results = run(config, transport=transport, progress=None if bar is None else progress)
+    except BaseException:
+        if transport is not None:
+            transport.close(status=1)  # stops the workers (aborts the job if a rank hangs)
+        raise
+    if transport is not None:
+        transport.close()
     if bar is not None:
         bar.close()
     if not args.quiet:

@@ -143,7 +143,8 @@ def _evaluate(transport):
 
 
 def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500.0, groups=10, seed=0,
-                 batch_size=64, max_batch_size=1024, clock=Clock(), stat_dtype=np.float64, progress=None):
+                 batch_size=64, max_batch_size=1024, clock=Clock(), stat_dtype=np.float64, progress=None,
+                 checkpoint=None, resume=None, fingerprint=None):
     """Run one algorithm over ``transport``'s clients; returns the results record.
 
     Parameters
@@ -163,6 +164,13 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
     stat_dtype : dtype of the server's sums.
     progress : callable(str) or None
         Called with a short status after every round.
+    checkpoint : path or None
+        Write the server's state here (atomically) after every trained layer.
+    resume : dict or None
+        A state from :func:`fedlayer.checkpoint.load_checkpoint`: finished
+        layers are sent to the clients again instead of being trained.
+    fingerprint : dict
+        Identifies the configuration in checkpoints.
 
     Returns
     -------
@@ -178,7 +186,10 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
     rounds = []
 
     # -- initialization stage ------------------------------------------------
-    if variant.cluster:
+    if resume is not None:
+        group_of = resume["group_of"]
+        rounds = list(resume["rounds"])
+    elif variant.cluster:
         init = _RoundLog("initialization", None, clock)
         summaries = {}
         for cid, result in transport.call("label_summary", {cid: {} for cid in cids}):
@@ -196,7 +207,16 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
     batch = dict(first_batch)
     first_durations = None
     group_weights = {k: [] for k in range(n_groups)}
-    for position in range(n_layers):
+    layers_done = 0
+    if resume is not None:
+        layers_done = resume["layers_done"]
+        batch, first_durations = resume["batch"], resume["first_durations"]
+        group_weights = resume["group_weights"]
+        for position in range(layers_done):
+            set_args = {cid: {"position": position, "weights": group_weights[group_of[cid]][position]} for cid in cids}
+            for _ in transport.call("set_weights", set_args):
+                pass
+    for position in range(layers_done, n_layers):
         log = _RoundLog("federated", position, clock)
         log.batch = dict(batch)
         sums = {}
@@ -227,6 +247,11 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         for cid, _ in transport.call("set_weights", set_args):
             log.down[cid] = clock.transfer(weights[group_of[cid]].nbytes + 8)
         rounds.append(log.record(_evaluate(transport)))
+        if checkpoint is not None:
+            from .checkpoint import save_checkpoint
+
+            save_checkpoint(checkpoint, fingerprint=fingerprint or {}, layers_done=position + 1, group_of=group_of,
+                            group_weights=group_weights, batch=batch, first_durations=first_durations, rounds=rounds)
         if progress:
             progress(f"layer {position + 1}/{n_layers} trained, accuracy {rounds[-1]['accuracy']:.4f}")
 

@@ -55,6 +55,8 @@ class RunConfig:
     synthetic_beta: float = 0.5
     data_dir: str | None = None
     output: str | None = None    # directory for results.json and the models
+    checkpoint: str | None = None  # server checkpoint after every layer (default: OUTPUT/checkpoint.npz)
+    resume: bool = False         # continue from the checkpoint's last finished layer
 
     def validate(self):
         if self.algorithm not in VARIANTS:
@@ -86,6 +88,17 @@ class RunConfig:
         if unknown:
             raise ValueError(f"unknown configuration keys {unknown}; known keys: {sorted(known)}")
         return cls(**values)
+
+    def checkpoint_path(self):
+        if self.checkpoint:
+            return Path(self.checkpoint)
+        return Path(self.output) / "checkpoint.npz" if self.output else None
+
+    def fingerprint(self):
+        """The settings that determine the trained weights (checked on resume)."""
+        keys = ("algorithm", "dataset", "model", "clients", "beta", "gamma", "groups", "seed", "width", "dtype",
+                "train_fraction", "min_samples", "synthetic_alpha", "synthetic_beta")
+        return {key: getattr(self, key) for key in keys}
 
 
 def client_cores(n_clients, seed, cores=None, available=None):
@@ -160,6 +173,15 @@ def run(config: RunConfig, transport=None, progress=None, dataset=None):
     variant = VARIANTS[config.algorithm]
     centralized = config.algorithm == "acnnl"
     clock = Clock(float("inf")) if centralized else Clock(config.bandwidth_gbps * 1e9 / 8, config.latency_ms / 1e3)
+    checkpoint = config.checkpoint_path()
+    resume_state = None
+    if config.resume:
+        if checkpoint is None:
+            raise ValueError("resume needs a checkpoint: give output or checkpoint")
+        if checkpoint.exists():
+            from .checkpoint import load_checkpoint
+
+            resume_state = load_checkpoint(checkpoint, config.fingerprint())
     outcome = run_protocol(
         transport,
         len(model.trainable),
@@ -172,6 +194,9 @@ def run(config: RunConfig, transport=None, progress=None, dataset=None):
         max_batch_size=config.max_batch_size,
         clock=clock,
         progress=progress,
+        checkpoint=checkpoint,
+        resume=resume_state,
+        fingerprint=config.fingerprint(),
     )
     results = {
         "config": dataclasses.asdict(config),
@@ -184,6 +209,7 @@ def run(config: RunConfig, transport=None, progress=None, dataset=None):
         "groups": outcome["groups"],
         "time_per_client": time_summary(outcome["rounds"]),
         "wall_s": time.perf_counter() - start,
+        "resumed_from_layer": resume_state["layers_done"] if resume_state else None,
     }
     if config.output:
         _write(config, results, model, outcome["group_weights"])

@@ -1,0 +1,76 @@
+"""Checkpoint/resume: a run killed mid-way and resumed ends with the uninterrupted run's weights."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from fedlayer.checkpoint import load_checkpoint
+from fedlayer.models import Model
+from fedlayer.run import RunConfig, run
+
+ARGS = ["--algorithm", "fedacnnl-wa", "--dataset", "synthetic", "--model", "dnn", "--clients", "100", "--seed", "2"]
+
+
+def config(output, resume=False):
+    return RunConfig(algorithm="fedacnnl-wa", dataset="synthetic", model="dnn", clients=100, seed=2,
+                     output=str(output), resume=resume)
+
+
+def test_killed_run_resumes_to_identical_weights(tmp_path):
+    reference = run(config(tmp_path / "reference"))
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "fedlayer", "run", *ARGS, "--output", str(out), "--quiet"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    checkpoint = out / "checkpoint.npz"
+    deadline = time.monotonic() + 120
+    while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    state = load_checkpoint(checkpoint, config(out).fingerprint())
+    assert 1 <= state["layers_done"] < 3
+    assert not (out / "model.npz").exists()
+
+    done = subprocess.run([sys.executable, "-m", "fedlayer", "run", *ARGS, "--output", str(out), "--resume", "--quiet"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    resumed, _ = Model.load(out / "model.npz")
+    uninterrupted, _ = Model.load(tmp_path / "reference" / "model.npz")
+    for index in resumed.trainable:
+        np.testing.assert_array_equal(resumed.layers[index].weights, uninterrupted.layers[index].weights)
+    import json
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["resumed_from_layer"] == state["layers_done"]
+    assert results["accuracy"] == reference["accuracy"]
+    assert len(results["rounds"]) == 3  # the checkpointed rounds plus the resumed ones
+
+
+def test_resume_refuses_another_configuration(tmp_path):
+    run(RunConfig(algorithm="fedacnnl", clients=10, model="lr", output=str(tmp_path)))
+    with pytest.raises(ValueError, match="another configuration"):
+        run(RunConfig(algorithm="fedacnnl", clients=10, model="lr", gamma=5.0, output=str(tmp_path), resume=True))
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    """A crash while writing leaves the previous checkpoint intact and no temporary file."""
+    run(RunConfig(algorithm="fedacnnl", clients=10, model="lr", output=str(tmp_path)))
+    before = (tmp_path / "checkpoint.npz").read_bytes()
+    import fedlayer.checkpoint as ck
+
+    def broken_savez(f, **arrays):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ck.np, "savez", broken_savez)
+    with pytest.raises(OSError, match="disk full"):
+        ck.save_checkpoint(tmp_path / "checkpoint.npz", fingerprint={}, layers_done=1, group_of={0: 0},
+                           group_weights={0: [np.ones((2, 2))]}, batch={0: 1}, first_durations=None, rounds=[])
+    assert (tmp_path / "checkpoint.npz").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")) == []
