@@ -1,0 +1,107 @@
+"""``mpiexec -n 3 python -m fedlayer run ...``: same results as in process, scale, failures.
+
+Each test launches a bounded subprocess; skipped when mpiexec or mpi4py is missing.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+MPIEXEC = shutil.which("mpiexec") or shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+
+pytestmark = [
+    pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found on PATH"),
+    pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="mpi4py is not installed"),
+]
+
+SMALL = ["--clients", "12", "--groups", "3", "--model", "dnn", "--seed", "0"]
+_TEST_VARS = ("FEDLAYER_TEST_FAIL_CLIENT", "FEDLAYER_TEST_HANG_CLIENT", "FEDLAYER_MPI_CHUNK_BYTES",
+              "FEDLAYER_MPI_PACK_UPPER")
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in _TEST_VARS}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def mpirun(args, timeout=120, ranks=3, **env):
+    cmd = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "fedlayer", "run", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(**env))
+
+
+def _models(out):
+    from fedlayer.models import Model
+
+    models = {}
+    for path in sorted(Path(out).glob("model*.npz")):
+        model, _ = Model.load(path)
+        models[path.name] = [model.layers[i].weights for i in model.trainable]
+    return models
+
+
+@pytest.mark.parametrize("algorithm,extra_env", [
+    ("fedacnnl", {}),
+    # packed upper triangle of G and 4 KiB chunks: the same numbers must come out
+    ("pfedacnnl", {"FEDLAYER_MPI_PACK_UPPER": "1", "FEDLAYER_MPI_CHUNK_BYTES": "4096"}),
+])
+def test_same_as_in_process(tmp_path, algorithm, extra_env):
+    reference = tmp_path / "inproc"
+    proc = subprocess.run([sys.executable, "-m", "fedlayer", "run", "--algorithm", algorithm, *SMALL, "--quiet",
+                           "--output", str(reference)], capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 0, proc.stderr
+    distributed = tmp_path / "mpi"
+    proc = mpirun(["--algorithm", algorithm, *SMALL, "--output", str(distributed)], **extra_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "12 clients" in proc.stdout
+
+    expected, actual = _models(reference), _models(distributed)
+    assert expected and sorted(expected) == sorted(actual)
+    for name in expected:
+        for W, V in zip(expected[name], actual[name], strict=True):
+            assert W.dtype == V.dtype == np.float64 and W.shape == V.shape
+            assert np.abs(W - V).max() <= 1e-10 * np.abs(W).max(), name
+
+    ref = json.loads((reference / "results.json").read_text())
+    got = json.loads((distributed / "results.json").read_text())
+    assert got["n_clients"] == ref["n_clients"] == 12
+    assert got["groups"] == ref["groups"]
+    assert abs(got["accuracy"] - ref["accuracy"]) <= 1e-10
+    for key, record in ref["rounds"].items():
+        if record["accuracy"] is not None:
+            assert abs(got["rounds"][key]["accuracy"] - record["accuracy"]) <= 1e-10, key
+
+
+def test_hundred_clients_on_three_ranks(tmp_path):
+    proc = mpirun(["--algorithm", "pfedacnnl", "--clients", "100", "--model", "lr", "--output", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "100 clients" in proc.stdout
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["n_clients"] == 100
+    assert all(len(record["clients"]) == 100 for record in results["rounds"].values())
+    assert 0.0 < results["accuracy"] <= 1.0
+
+
+def test_client_failure_stops_the_job():
+    # client 5 lives on rank 1 + 5 % 2 = 2
+    proc = mpirun(["--algorithm", "fedacnnl", *SMALL, "--quiet"], timeout=90, FEDLAYER_TEST_FAIL_CLIENT=5)
+    assert proc.returncode != 0
+    assert "client 5 on MPI rank 2 failed in local_stats" in proc.stderr
+    assert "injected failure" in proc.stderr
+    assert "MPI_Abort" not in proc.stderr  # stopped cleanly, no abort needed
+
+
+def test_hung_rank_hits_the_deadline():
+    # client 3 lives on rank 2, which then never answers
+    proc = mpirun(["--algorithm", "fedacnnl", *SMALL, "--quiet", "--mpi-deadline", "5"], timeout=90,
+                  FEDLAYER_TEST_HANG_CLIENT=3)
+    assert proc.returncode != 0
+    assert "no answer from MPI rank(s) [2]" in proc.stderr
+    assert "client ids [3," in proc.stderr
