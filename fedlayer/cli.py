@@ -13,8 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from .federated import VARIANTS
-from .run import RunConfig
+from .run import ALGORITHMS, RunConfig
 
 __all__ = ["main"]
 
@@ -32,9 +31,10 @@ def _run_parser(sub):
         elif isinstance(default, bool):
             p.add_argument(flag, action="store_true", default=None, help=f"(default {default})")
         elif field.name == "algorithm":
-            p.add_argument(flag, choices=sorted(VARIANTS), default=None, help=f"(default {default})")
+            p.add_argument(flag, choices=ALGORITHMS, default=None, help=f"(default {default})")
         else:
-            kind = type(default) if default is not None else str
+            kind = type(default) if default is not None else {"int": int, "float": float}.get(
+                str(field.type).split("|")[0].strip(), str)
             p.add_argument(flag, type=kind, default=None, help=f"(default {default})")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.add_argument("--mpi-deadline", type=float, default=600.0,

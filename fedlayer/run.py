@@ -20,13 +20,17 @@ import numpy as np
 
 import fastls
 
+from .baselines import BASELINES, BaselineClient, baseline_hyper, run_baseline
 from .client import Client
 from .data import ClientData, load_federated
 from .federated import VARIANTS, Clock, run_protocol, time_summary
 from .models import build_model
 from .transport import InProcessTransport
 
-__all__ = ["RunConfig", "run", "make_clients", "client_cores"]
+__all__ = ["RunConfig", "run", "make_clients", "client_cores", "ALGORITHMS"]
+
+#: The analytic algorithms (one parametrized protocol) and the gradient / zeroth-order baselines.
+ALGORITHMS = sorted(VARIANTS) + sorted(BASELINES)
 
 
 @dataclass
@@ -57,10 +61,14 @@ class RunConfig:
     output: str | None = None    # directory for results.json and the models
     checkpoint: str | None = None  # server checkpoint after every layer (default: OUTPUT/checkpoint.npz)
     resume: bool = False         # continue from the checkpoint's last finished layer
+    rounds: int | None = None    # baselines only: training rounds (default: the paper's, see BASELINES)
+    eval_every: int = 1          # baselines only: evaluate every this many rounds (and the last)
 
     def validate(self):
-        if self.algorithm not in VARIANTS:
-            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose one of {sorted(VARIANTS)}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose one of {ALGORITHMS}")
+        if self.rounds is not None and (not isinstance(self.rounds, int) or self.rounds < 1):
+            raise ValueError(f"rounds must be an integer >= 1, got {self.rounds!r}")
         for name in ("clients", "groups", "batch_size", "max_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -77,7 +85,7 @@ class RunConfig:
             raise ValueError(f"cores must be a non-empty list of integers >= 1, got {self.cores!r}")
         if self.batch_size > self.max_batch_size:
             raise ValueError(f"batch_size ({self.batch_size}) must not exceed max_batch_size ({self.max_batch_size})")
-        if VARIANTS[self.algorithm].cluster and self.groups > self.clients and self.algorithm != "acnnl":
+        if self.algorithm in VARIANTS and VARIANTS[self.algorithm].cluster and self.groups > self.clients and self.algorithm != "acnnl":
             raise ValueError(f"groups (K={self.groups}) cannot exceed the number of clients ({self.clients})")
         return self
 
@@ -133,7 +141,10 @@ def make_clients(config: RunConfig, dataset, model_config, client_ids=None):
         data = dataset.clients[cid]
         if data.n_train == 0:
             raise ValueError(f"client {cid} has no training samples; lower --clients or raise --min-samples")
-        clients.append(Client(cid, data, model_config, config.seed, dataset.n_classes, cores[cid], np.float64))
+        if config.algorithm in BASELINES:
+            clients.append(BaselineClient(cid, data, config.model, dataset.n_classes, config.seed, cores[cid]))
+        else:
+            clients.append(Client(cid, data, model_config, config.seed, dataset.n_classes, cores[cid], np.float64))
         del data
     return clients
 
@@ -170,9 +181,11 @@ def run(config: RunConfig, transport=None, progress=None, dataset=None):
     model = build(config, dataset)
     if transport is None:
         transport = InProcessTransport(make_clients(config, dataset, model.config()))
-    variant = VARIANTS[config.algorithm]
     centralized = config.algorithm == "acnnl"
     clock = Clock(float("inf")) if centralized else Clock(config.bandwidth_gbps * 1e9 / 8, config.latency_ms / 1e3)
+    if config.algorithm in BASELINES:
+        return _run_baseline(config, transport, dataset, clock, progress, start)
+    variant = VARIANTS[config.algorithm]
     checkpoint = config.checkpoint_path()
     resume_state = None
     if config.resume:
@@ -217,11 +230,43 @@ def run(config: RunConfig, transport=None, progress=None, dataset=None):
     return results
 
 
+def _run_baseline(config, transport, dataset, clock, progress, start):
+    hyper = baseline_hyper(config.algorithm, config.dataset, config.model)
+    rounds = config.rounds or hyper.pop("rounds")
+    hyper.pop("rounds", None)
+    outcome = run_baseline(transport, config.algorithm, rounds, clock=clock, eval_every=config.eval_every,
+                           progress=progress, **hyper)
+    results = {
+        "config": dataclasses.asdict(config),
+        "hyperparameters": hyper,
+        "machine": {"python": platform.python_version(), "cores": fastls.available_cores(), "numpy": np.__version__},
+        "n_clients": len(transport.client_ids),
+        "n_classes": dataset.n_classes,
+        "accuracy": outcome["accuracy"],
+        "best_accuracy": outcome["best_accuracy"],
+        "rounds": {str(i + 1): record for i, record in enumerate(outcome["rounds"])},
+        "time_per_client": time_summary(outcome["rounds"]),
+        "wall_s": time.perf_counter() - start,
+    }
+    if config.output:
+        out = Path(config.output)
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json(out / "results.json", results)
+        np.save(out / "params.npy", outcome["params"])
+    return results
+
+
+def _write_json(path, results):
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1)
+    tmp.replace(path)
+
+
 def _write(config, results, model, group_weights):
     out = Path(config.output)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.json", "w") as f:
-        json.dump(results, f, indent=1)
+    _write_json(out / "results.json", results)
     for k, weights in group_weights.items():
         trained = model.copy()
         for index, W in zip(trained.trainable, weights):

@@ -101,3 +101,16 @@ def test_client_cores_are_seeded_and_bounded():
     assert a == client_cores(100, seed=1, available=4)
     assert set(a) == {1, 2, 3, 4}
     assert client_cores(5, seed=0, cores=[1, 3]) == [1, 3, 1, 3, 1]
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedzo", "baffle", "pfedme", "pfedzo"])
+def test_baselines_run_through_the_cli(tmp_path, algorithm):
+    out = tmp_path / algorithm
+    assert main(["run", "--algorithm", algorithm, "--clients", "6", "--model", "lr", "--rounds", "2",
+                 "--output", str(out), "--quiet"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["rounds"]) == 2
+    assert results["n_clients"] == 6
+    assert 0.0 <= results["best_accuracy"] <= 1.0
+    assert results["time_per_client"]["compute_s"] > 0
+    assert np.load(out / "params.npy").ndim == 1
