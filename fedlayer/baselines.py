@@ -555,6 +555,7 @@ def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, p
         for cid, result in transport.call("local_train", args):
             log.arrived(cid, result["compute_s"], payload_bytes({"params": result["params"], "n": result["n"]}))
             log.down[cid] = down
+            log.down_bytes += w.nbytes
             acc_sum += result["n"] * result["params"]
             total_n += result["n"]
             del result

@@ -105,12 +105,16 @@ class _RoundLog:
 
     def __init__(self, stage, position, clock):
         self.stage, self.position, self.clock = stage, position, clock
-        self.compute, self.up, self.down, self.batch = {}, {}, {}, {}
+        self.compute, self.up, self.down, self.batch, self.measured = {}, {}, {}, {}, {}
         self.server_s = 0.0
+        self.up_bytes = self.down_bytes = 0
 
-    def arrived(self, cid, compute_s, up_bytes):
+    def arrived(self, cid, compute_s, up_bytes, measured_recv_s=None):
         self.compute[cid] = compute_s
         self.up[cid] = self.clock.transfer(up_bytes)
+        self.up_bytes += up_bytes
+        if measured_recv_s is not None:  # real receive time of an MPI transport
+            self.measured[cid] = measured_recv_s
 
     def record(self, accuracy):
         arrival = {cid: self.compute[cid] + self.up[cid] for cid in self.compute}
@@ -122,6 +126,7 @@ class _RoundLog:
                 "idle_s": latest - arrival[cid],
                 "arrival_s": arrival[cid],
                 **({"batch_size": self.batch[cid]} if cid in self.batch else {}),
+                **({"mpi_recv_s": self.measured[cid]} if cid in self.measured else {}),
             }
             for cid in self.compute
         }
@@ -130,6 +135,8 @@ class _RoundLog:
             "layer": self.position,
             "accuracy": accuracy,
             "server_s": self.server_s,
+            "bytes_up": self.up_bytes,
+            "bytes_down": self.down_bytes,
             "clients": clients,
         }
 
@@ -222,7 +229,8 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         sums = {}
         args = {cid: {"position": position, "batch_size": batch[cid], "round_index": position} for cid in cids}
         for cid, result in transport.call("local_stats", args):
-            log.arrived(cid, result["compute_s"], payload_bytes({"G": result["G"], "C": result["C"]}))
+            log.arrived(cid, result["compute_s"], payload_bytes({"G": result["G"], "C": result["C"]}),
+                        result.get("mpi_recv_s"))
             k = group_of[cid]
             if k not in sums:
                 sums[k] = (np.zeros_like(result["G"], dtype=stat_dtype), np.zeros_like(result["C"], dtype=stat_dtype))
@@ -246,6 +254,7 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         set_args = {cid: {"position": position, "weights": weights[group_of[cid]]} for cid in cids}
         for cid, _ in transport.call("set_weights", set_args):
             log.down[cid] = clock.transfer(weights[group_of[cid]].nbytes + 8)
+            log.down_bytes += weights[group_of[cid]].nbytes + 8
         rounds.append(log.record(_evaluate(transport)))
         if checkpoint is not None:
             from .checkpoint import save_checkpoint

@@ -256,7 +256,8 @@ def test_time_records():
     down = clock.transfer(n_params * 8)
     up = clock.transfer(n_params * 8 + 8)  # the parameters plus the sample count
     for record in out["rounds"]:
-        assert set(record) == {"stage", "layer", "accuracy", "server_s", "clients"}
+        assert set(record) == {"stage", "layer", "accuracy", "server_s", "bytes_up", "bytes_down", "clients"}
+        assert record["bytes_up"] > 0 and record["bytes_down"] > 0
         assert record["server_s"] >= 0
         clients = record["clients"]
         assert set(clients) == {str(c) for c in transport.client_ids}
