@@ -135,7 +135,7 @@ def _plots(runs, out, dataset, paper_rounds):
         values = np.array([runs[a]["time_per_client"][part] for a in names])
         ax.bar(names, values, bottom=bottom, label=part[:-2])
         bottom += values
-    ax.set_ylabel("averaged total training time per client (s, measured rounds)")
+    ax.set_ylabel("time per client (s)")
     ax.set_title(f"{dataset}-DNN")
     ax.legend()
     fig.tight_layout()

@@ -40,14 +40,29 @@ def main():
     parser.add_argument("--json", default=None, help="also write every run's accuracy here")
     parser.add_argument("--baselines", nargs="*", default=[], choices=["pfedme", "pfedzo"],
                         help="also run these (best accuracy within --baseline-rounds)")
-    parser.add_argument("--baseline-rounds", type=int, default=1000)
+    parser.add_argument("--baseline-rounds", nargs="+", default=["1000"],
+                        help="round budget: N for every baseline, or ALGORITHM=N entries")
     parser.add_argument("--baseline-seeds", type=int, default=None, help="seeds for the baselines (default --seeds)")
+    parser.add_argument("--merge", default=None,
+                        help="a --json file of an earlier run: its accuracies are kept and those runs skipped")
     args = parser.parse_args()
 
     accuracies = {}
     trends = {}
     notes = []
     baseline_seeds = args.seeds if args.baseline_seeds is None else args.baseline_seeds
+    merged_from, merged_keys = None, set()
+    if args.merge:
+        with open(args.merge) as f:
+            for key, values in json.load(f).items():
+                accuracies[tuple(key.split("-", 2))] = values
+                merged_keys.add(tuple(key.split("-", 2)))
+        merged_from = args.merge
+    budget = {name: 1000 for name in BASELINES}
+    for item in args.baseline_rounds:
+        name, _, value = item.rpartition("=")
+        for target in ([name] if name else BASELINES):
+            budget[target] = int(value)
     start = time.perf_counter()
     for dataset_name in dict.fromkeys(name for name, _ in SETTINGS):
         for seed in range(args.seeds):
@@ -61,7 +76,9 @@ def main():
                 for algorithm in ALGORITHMS:
                     if algorithm in BASELINES and (algorithm not in args.baselines or seed >= baseline_seeds):
                         continue
-                    rounds = args.baseline_rounds if algorithm in BASELINES else None
+                    if (dataset_name, model, algorithm) in merged_keys:
+                        continue
+                    rounds = budget[algorithm] if algorithm in BASELINES else None
                     config = RunConfig(algorithm=algorithm, dataset=dataset_name, model=model, seed=seed,
                                        rounds=rounds, eval_every=max(1, (rounds or 1) // 50))
                     results = run(config, dataset=dataset)
@@ -79,8 +96,10 @@ def main():
     header = "| Dataset-Model | " + " | ".join(ALGORITHMS) + " |"
     command = f"python bench/table2.py --seeds {args.seeds}"
     if args.baselines:
-        command += (f" --baselines {' '.join(args.baselines)} --baseline-rounds {args.baseline_rounds}"
+        command += (f" --baselines {' '.join(args.baselines)} --baseline-rounds {' '.join(args.baseline_rounds)}"
                     f" --baseline-seeds {baseline_seeds}")
+    if merged_from:
+        command += f" --merge {merged_from} (the other cells come from that earlier run)"
     lines = [
         "# Table 2 measured here vs the paper",
         "",
