@@ -387,6 +387,7 @@ class BaselineClient:
         self.model = make_baseline_model(model_name, data.x_train.shape[1:], n_classes)
         self.params = None  # last local parameters (w)
         self.theta = None   # personalized model (pFedMe / pFedZO)
+        fastls.blas_info()  # build threadpoolctl's controller outside the timed rounds
 
     # -- helpers --------------------------------------------------------------
     def _rng(self, round_index, tag):

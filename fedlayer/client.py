@@ -99,6 +99,9 @@ class Client:
         widths = [self.model.layers[i].ls_shape(self.model.input_shape_of(i))[1] for i in self.model.trainable]
         self.encoders = label_encoders(self.seed, self.n_classes, widths)
         self.meta_weights = {}  # position -> the group's meta-model weights, kept for personalization
+        # The first core limit in a process builds threadpoolctl's controller
+        # (it inspects every loaded library); do it now, outside the timed rounds.
+        fastls.blas_info()
         self._round = 0
 
     # -- helpers -----------------------------------------------------------

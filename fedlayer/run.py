@@ -211,23 +211,27 @@ def run(config: RunConfig, transport=None, progress=None, dataset=None):
         resume=resume_state,
         fingerprint=config.fingerprint(),
     )
-    results = {
-        "config": dataclasses.asdict(config),
-        "machine": {"python": platform.python_version(), "cores": fastls.available_cores(),
-                    "numpy": np.__version__},
-        "n_clients": len(transport.client_ids),
-        "n_classes": dataset.n_classes,
-        "accuracy": outcome["accuracy"],
-        "rounds": {str(i + 1): record for i, record in enumerate(outcome["rounds"])},
-        "groups": outcome["groups"],
-        "time_per_client": time_summary(outcome["rounds"]),
-        "wall_s": time.perf_counter() - start,
-        "resumed_from_layer": resume_state["layers_done"] if resume_state else None,
-    }
+    results = _results(config, transport, dataset, outcome, start)
+    results["groups"] = outcome["groups"]
+    results["resumed_from_layer"] = resume_state["layers_done"] if resume_state else None
     if config.output:
         _write(config, results, model, outcome["group_weights"])
     results["group_weights"] = outcome["group_weights"]
     return results
+
+
+def _results(config, transport, dataset, outcome, start):
+    """The results record shared by every algorithm (keyed by round)."""
+    return {
+        "config": dataclasses.asdict(config),
+        "machine": {"python": platform.python_version(), "cores": fastls.available_cores(), "numpy": np.__version__},
+        "n_clients": len(transport.client_ids),
+        "n_classes": dataset.n_classes,
+        "accuracy": outcome["accuracy"],
+        "rounds": {str(i + 1): record for i, record in enumerate(outcome["rounds"])},
+        "time_per_client": time_summary(outcome["rounds"]),
+        "wall_s": time.perf_counter() - start,
+    }
 
 
 def _run_baseline(config, transport, dataset, clock, progress, start):
@@ -236,18 +240,9 @@ def _run_baseline(config, transport, dataset, clock, progress, start):
     hyper.pop("rounds", None)
     outcome = run_baseline(transport, config.algorithm, rounds, clock=clock, eval_every=config.eval_every,
                            progress=progress, **hyper)
-    results = {
-        "config": dataclasses.asdict(config),
-        "hyperparameters": hyper,
-        "machine": {"python": platform.python_version(), "cores": fastls.available_cores(), "numpy": np.__version__},
-        "n_clients": len(transport.client_ids),
-        "n_classes": dataset.n_classes,
-        "accuracy": outcome["accuracy"],
-        "best_accuracy": outcome["best_accuracy"],
-        "rounds": {str(i + 1): record for i, record in enumerate(outcome["rounds"])},
-        "time_per_client": time_summary(outcome["rounds"]),
-        "wall_s": time.perf_counter() - start,
-    }
+    results = _results(config, transport, dataset, outcome, start)
+    results["hyperparameters"] = hyper
+    results["best_accuracy"] = outcome["best_accuracy"]
     if config.output:
         out = Path(config.output)
         out.mkdir(parents=True, exist_ok=True)
