@@ -164,8 +164,8 @@ class Client:
         return {"compute_s": time.perf_counter() - start}
 
     def evaluate(self, batch_size=4096):
-        """(correct, total) of this client's current model on its local test split."""
-        correct, total = self.model.accuracy(self.data.x_test, self.data.y_test)
+        """(correct, total) of this client's current model on its local test split, in batches."""
+        correct, total = self.model.accuracy(self.data.x_test, self.data.y_test, batch_size=batch_size)
         return {"correct": int(correct), "total": int(total)}
 
     def final_weights(self):

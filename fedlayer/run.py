@@ -165,9 +165,9 @@ def load_dataset(config: RunConfig):
 
 
 def build(config: RunConfig, dataset):
-    model = build_model(config.model, dataset.feature_shape, dataset.n_classes, width=config.width,
-                        dtype=np.dtype(config.dtype))
-    return model
+    """The run's model architecture (untrained) for ``dataset``."""
+    return build_model(config.model, dataset.feature_shape, dataset.n_classes, width=config.width,
+                       dtype=np.dtype(config.dtype))
 
 
 def run(config: RunConfig, transport=None, progress=None, dataset=None):
