@@ -93,7 +93,7 @@ import numpy as np
 import fastls
 
 from .data import ClientData
-from .federated import Clock, _RoundLog
+from .federated import Clock, RoundLog
 from .transport import payload_bytes
 
 __all__ = [
@@ -548,7 +548,7 @@ def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, p
 
     records, best = [], None
     for r in range(int(rounds)):
-        log = _RoundLog("federated", None, clock)
+        log = RoundLog("federated", None, clock)
         down = clock.transfer(w.nbytes)
         args = {cid: {"algorithm": algorithm, "params": w, "round_index": r, **hyper} for cid in cids}
         total_n = 0

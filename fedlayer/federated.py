@@ -30,7 +30,7 @@ import fastls
 
 from .transport import payload_bytes
 
-__all__ = ["Variant", "VARIANTS", "Clock", "adaptive_batch_sizes", "run_protocol"]
+__all__ = ["Variant", "VARIANTS", "Clock", "RoundLog", "adaptive_batch_sizes", "run_protocol", "time_summary"]
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def _cluster(summaries, n_groups, seed):
     return {cid: int(label) for cid, label in zip(cids, labels)}
 
 
-class _RoundLog:
+class RoundLog:
     """Per-client timings of one round, turned into the results record."""
 
     def __init__(self, stage, position, clock):
@@ -197,7 +197,7 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         group_of = resume["group_of"]
         rounds = list(resume["rounds"])
     elif variant.cluster:
-        init = _RoundLog("initialization", None, clock)
+        init = RoundLog("initialization", None, clock)
         summaries = {}
         for cid, result in transport.call("label_summary", {cid: {} for cid in cids}):
             summaries[cid] = result["h"]
@@ -224,7 +224,7 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
             for _ in transport.call("set_weights", set_args):
                 pass
     for position in range(layers_done, n_layers):
-        log = _RoundLog("federated", position, clock)
+        log = RoundLog("federated", position, clock)
         log.batch = dict(batch)
         sums = {}
         args = {cid: {"position": position, "batch_size": batch[cid], "round_index": position} for cid in cids}
@@ -267,7 +267,7 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
     # -- local personalization stage ----------------------------------------
     if variant.personalize:
         for position in range(n_layers):
-            log = _RoundLog("personalization", position, clock)
+            log = RoundLog("personalization", position, clock)
             args = {cid: {"position": position, "eps": eps, "batch_size": max_batch[cid]} for cid in cids}
             for cid, result in transport.call("personalize", args):
                 log.arrived(cid, result["compute_s"], 0)
