@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 
 import fastls
-from fedlayer.baselines import baseline_hyper
 from fedlayer.run import RunConfig, load_dataset, run
 
 ANALYTIC = ["fedacnnl", "fedacnnl-wa"]

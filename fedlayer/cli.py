@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
 from .run import ALGORITHMS, RunConfig
 

@@ -102,7 +102,6 @@ class Client:
         # The first core limit in a process builds threadpoolctl's controller
         # (it inspects every loaded library); do it now, outside the timed rounds.
         fastls.blas_info()
-        self._round = 0
 
     # -- helpers -----------------------------------------------------------
     def _targets(self, position, labels):

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -85,7 +85,7 @@ class RunConfig:
             raise ValueError(f"cores must be a non-empty list of integers >= 1, got {self.cores!r}")
         if self.batch_size > self.max_batch_size:
             raise ValueError(f"batch_size ({self.batch_size}) must not exceed max_batch_size ({self.max_batch_size})")
-        if self.algorithm in VARIANTS and VARIANTS[self.algorithm].cluster and self.groups > self.clients and self.algorithm != "acnnl":
+        if self.algorithm in VARIANTS and VARIANTS[self.algorithm].cluster and self.groups > self.clients:
             raise ValueError(f"groups (K={self.groups}) cannot exceed the number of clients ({self.clients})")
         return self
 
@@ -131,7 +131,6 @@ def _pooled(dataset):
 
 def make_clients(config: RunConfig, dataset, model_config, client_ids=None):
     """The Client objects for ``client_ids`` (all when None), deterministically from the config."""
-    dtype = np.dtype(config.dtype)
     cores = client_cores(len(dataset.clients), config.seed, config.cores)
     if config.algorithm == "acnnl":
         return [Client(0, _pooled(dataset), model_config, config.seed, dataset.n_classes, max(cores), np.float64)]
@@ -236,8 +235,8 @@ def _results(config, transport, dataset, outcome, start):
 
 def _run_baseline(config, transport, dataset, clock, progress, start):
     hyper = baseline_hyper(config.algorithm, config.dataset, config.model)
-    rounds = config.rounds or hyper.pop("rounds")
-    hyper.pop("rounds", None)
+    default_rounds = hyper.pop("rounds")
+    rounds = config.rounds or default_rounds
     outcome = run_baseline(transport, config.algorithm, rounds, clock=clock, eval_every=config.eval_every,
                            progress=progress, **hyper)
     results = _results(config, transport, dataset, outcome, start)

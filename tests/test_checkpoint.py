@@ -1,6 +1,5 @@
 """Checkpoint/resume: a run killed mid-way and resumed ends with the uninterrupted run's weights."""
 
-import os
 import signal
 import subprocess
 import sys
