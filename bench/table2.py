@@ -1,19 +1,30 @@
-"""The paper's Table 2 protocol for the analytic methods: mean and std over seeds.
+"""The paper's Table 2 protocol: mean and std of the test accuracy over seeds.
 
     python bench/table2.py [--seeds 5] [--out docs/table2.md]
 
-FedACnnL, pFedACnnL-WC, -WP and pFedACnnL on MNIST-DNN, Synthetic-DNN,
-MNIST-LR and Synthetic-LR with the paper's settings (100 clients, Dirichlet
-beta = 0.1 for MNIST, power-law Synthetic(0.5, 0.5), gamma = 100, eps = 2500,
-K = 10, 75/25 local splits). MNIST rows are skipped (and said so) when the
-data files are absent.
+FedACnnL, pFedACnnL-WC, -WP and pFedACnnL (and, with ``--baselines``, pFedMe
+and pFedZO) on MNIST-DNN, Synthetic-DNN, MNIST-LR and Synthetic-LR with the
+paper's settings (100 clients, Dirichlet beta = 0.1 for MNIST, power-law
+Synthetic(0.5, 0.5), gamma = 100, eps = 2500, K = 10, 75/25 local splits).
+MNIST rows are skipped (and said so) when the data files are absent.
+
+The baselines report their best accuracy within a round budget (the paper:
+1,000 rounds). ``--baseline-rounds`` takes ``N`` (every baseline),
+``ALGORITHM=N`` or ``ALGORITHM:DATASET-MODEL=N``, later entries winning.
+
+Long runs can be split: ``--settings`` and ``--algorithms`` select cells,
+``--json`` keeps a run's accuracies, curves and command, ``--merge`` reads
+such files back (their cells are not run again), and the markdown names
+every run that contributed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import shlex
 import sys
 import time
 
@@ -23,120 +34,193 @@ import fastls
 from fedlayer.run import RunConfig, load_dataset, run
 
 ALGORITHMS = ["fedacnnl", "pfedacnnl-wc", "pfedacnnl-wp", "pfedme", "pfedzo", "pfedacnnl"]
-SETTINGS = [("mnist", "dnn"), ("synthetic", "dnn"), ("mnist", "lr"), ("synthetic", "lr")]
+SETTINGS = ["mnist-dnn", "synthetic-dnn", "mnist-lr", "synthetic-lr"]
 PAPER = {  # Table 2 of the paper, in ALGORITHMS order
-    ("mnist", "dnn"): [90.76, 96.85, 93.66, 96.92, 96.17, 96.23],
-    ("synthetic", "dnn"): [86.09, 88.63, 89.22, 88.58, 89.05, 90.00],
-    ("mnist", "lr"): [87.11, 96.24, 91.79, 93.22, 93.09, 95.81],
-    ("synthetic", "lr"): [81.80, 87.81, 88.33, 83.13, 72.14, 88.96],
+    "mnist-dnn": [90.76, 96.85, 93.66, 96.92, 96.17, 96.23],
+    "synthetic-dnn": [86.09, 88.63, 89.22, 88.58, 89.05, 90.00],
+    "mnist-lr": [87.11, 96.24, 91.79, 93.22, 93.09, 95.81],
+    "synthetic-lr": [81.80, 87.81, 88.33, 83.13, 72.14, 88.96],
 }
-BASELINES = {"pfedme", "pfedzo"}
+BASELINES = ("pfedme", "pfedzo")
+PAPER_ROUNDS = 1000
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--out", default="docs/table2.md")
-    parser.add_argument("--json", default=None, help="also write every run's accuracy here")
-    parser.add_argument("--baselines", nargs="*", default=[], choices=["pfedme", "pfedzo"],
-                        help="also run these (best accuracy within --baseline-rounds)")
-    parser.add_argument("--baseline-rounds", nargs="+", default=["1000"],
-                        help="round budget: N for every baseline, or ALGORITHM=N entries")
-    parser.add_argument("--baseline-seeds", type=int, default=None, help="seeds for the baselines (default --seeds)")
-    parser.add_argument("--merge", default=None,
-                        help="a --json file of an earlier run: its accuracies are kept and those runs skipped")
-    args = parser.parse_args()
+def cell_key(setting, algorithm):
+    return f"{setting}-{algorithm}"
 
-    accuracies = {}
-    trends = {}
-    notes = []
-    baseline_seeds = args.seeds if args.baseline_seeds is None else args.baseline_seeds
-    merged_from, merged_keys = None, set()
-    if args.merge:
-        with open(args.merge) as f:
-            for key, values in json.load(f).items():
-                accuracies[tuple(key.split("-", 2))] = values
-                merged_keys.add(tuple(key.split("-", 2)))
-        merged_from = args.merge
-    budget = {name: 1000 for name in BASELINES}
-    for item in args.baseline_rounds:
-        name, _, value = item.rpartition("=")
-        for target in ([name] if name else BASELINES):
-            budget[target] = int(value)
-    start = time.perf_counter()
-    for dataset_name in dict.fromkeys(name for name, _ in SETTINGS):
+
+def parse_budget(entries):
+    """``{(setting, algorithm): rounds}`` for every baseline cell from ``--baseline-rounds`` entries."""
+    budget = {(s, a): PAPER_ROUNDS for s in SETTINGS for a in BASELINES}
+    for entry in entries:
+        target, _, value = entry.rpartition("=")
+        algorithm, _, setting = target.partition(":")
+        if algorithm and algorithm not in BASELINES:
+            raise SystemExit(f"--baseline-rounds {entry!r}: unknown baseline {algorithm!r}; choose from {BASELINES}")
+        if setting and setting not in SETTINGS:
+            raise SystemExit(f"--baseline-rounds {entry!r}: unknown setting {setting!r}; choose from {SETTINGS}")
+        for cell in budget:
+            if (not algorithm or cell[1] == algorithm) and (not setting or cell[0] == setting):
+                budget[cell] = int(value)
+    return budget
+
+
+def load_runs(paths):
+    """Earlier ``--json`` files: their runs (for the provenance list) and cells."""
+    runs, cells = [], {}
+    for path in paths:
+        with open(path) as f:
+            saved = json.load(f)
+        runs += saved["runs"]
+        for key, cell in saved["cells"].items():
+            if key in cells:
+                raise SystemExit(f"{path}: cell {key} is also in an earlier --merge file")
+            cells[key] = cell
+    return runs, cells
+
+
+def run_cells(args, budget, cells, on_cell=None):
+    """Run the selected cells (seeds) that ``cells`` lacks, adding them; ``on_cell()`` follows each one."""
+    for dataset_name in dict.fromkeys(s.split("-")[0] for s in args.settings):
+        settings = [s for s in args.settings if s.startswith(dataset_name + "-")]
         for seed in range(args.seeds):
-            base = RunConfig(dataset=dataset_name, seed=seed)
+            todo = [(s, a) for s in settings for a in args.algorithms
+                    if cell_key(s, a) not in cells or seed >= len(cells[cell_key(s, a)]["accuracy"])]
+            todo = [(s, a) for s, a in todo if a not in BASELINES or seed < args.baseline_seeds]
+            if not todo:
+                continue
             try:
-                dataset = load_dataset(base)
+                dataset = load_dataset(RunConfig(dataset=dataset_name, seed=seed))
             except FileNotFoundError as err:
-                notes.append(f"{dataset_name}: skipped ({str(err).splitlines()[0]})")
+                print(f"{dataset_name}: skipped ({str(err).splitlines()[0]})", flush=True)
                 break
-            for model in [m for d, m in SETTINGS if d == dataset_name]:
-                for algorithm in ALGORITHMS:
-                    if algorithm in BASELINES and (algorithm not in args.baselines or seed >= baseline_seeds):
-                        continue
-                    if (dataset_name, model, algorithm) in merged_keys:
-                        continue
-                    rounds = budget[algorithm] if algorithm in BASELINES else None
-                    config = RunConfig(algorithm=algorithm, dataset=dataset_name, model=model, seed=seed,
-                                       rounds=rounds, eval_every=max(1, (rounds or 1) // 50))
-                    results = run(config, dataset=dataset)
-                    acc = results.get("best_accuracy", results["accuracy"])
-                    if algorithm in BASELINES:
-                        curve = [r["accuracy"] for r in results["rounds"].values() if r["accuracy"] is not None]
-                        half = len(curve) // 2
-                        trends.setdefault((dataset_name, model, algorithm), []).append(
-                            (100 * max(curve[:half] or curve), 100 * max(curve), len(results["rounds"])))
-                    accuracies.setdefault((dataset_name, model, algorithm), []).append(100 * acc)
-                    print(f"{dataset_name}-{model} {algorithm} seed {seed}: {100 * acc:.2f}", flush=True)
+            for setting, algorithm in todo:
+                model = setting.split("-")[1]
+                rounds = budget[(setting, algorithm)] if algorithm in BASELINES else None
+                config = RunConfig(algorithm=algorithm, dataset=dataset_name, model=model, seed=seed,
+                                   rounds=rounds, eval_every=max(1, (rounds or 1) // 50), cores=args.cores)
+                start = time.perf_counter()
+                results = run(config, dataset=dataset)
+                cell = cells.setdefault(cell_key(setting, algorithm), {"accuracy": [], "curves": [], "minutes": []})
+                if cell.get("rounds", rounds) != rounds:
+                    raise SystemExit(f"{cell_key(setting, algorithm)}: merged seeds ran {cell['rounds']} rounds, "
+                                     f"this run's budget is {rounds}")
+                cell["accuracy"].append(100 * results.get("best_accuracy", results["accuracy"]))
+                cell["minutes"].append((time.perf_counter() - start) / 60)
+                if algorithm in BASELINES:
+                    cell["rounds"] = rounds
+                    cell["curves"].append([[int(r), 100 * rec["accuracy"]] for r, rec in results["rounds"].items()
+                                           if rec["accuracy"] is not None])
+                print(f"{setting} {algorithm} seed {seed}: {cell['accuracy'][-1]:.2f} "
+                      f"({cell['minutes'][-1]:.1f} min)", flush=True)
+                if on_cell:
+                    on_cell()
             del dataset
-    elapsed = time.perf_counter() - start
 
-    header = "| Dataset-Model | " + " | ".join(ALGORITHMS) + " |"
-    command = f"python bench/table2.py --seeds {args.seeds}"
-    if args.baselines:
-        command += (f" --baselines {' '.join(args.baselines)} --baseline-rounds {' '.join(args.baseline_rounds)}"
-                    f" --baseline-seeds {baseline_seeds}")
-    if merged_from:
-        command += f" --merge {merged_from} (the other cells come from that earlier run)"
+
+def curve_trend(curves):
+    """Mean over seeds of the best accuracy in the first half of the budget and over all of it."""
+    first, best = [], []
+    for curve in curves:
+        rounds, acc = np.array(curve).T
+        half = rounds <= rounds.max() / 2
+        first.append(acc[half].max() if half.any() else acc[0])
+        best.append(acc.max())
+    return float(np.mean(first)), float(np.mean(best))
+
+
+def render(runs, cells, seeds):
     lines = [
         "# Table 2 measured here vs the paper",
         "",
-        f"Command: `{command}` ({elapsed / 60:.1f} min on "
-        f"{platform.machine()}, {fastls.available_cores()} cores, Python {platform.python_version()}, "
-        f"NumPy {np.__version__}).",
         "Settings: 100 clients, Dirichlet beta = 0.1 (MNIST), power-law Synthetic(0.5, 0.5), gamma = 100, "
         "eps = 2500, K = 10, local 75/25 train/test splits, overall test accuracy (%), mean (std) over "
-        f"seeds 0..{args.seeds - 1}; the paper's number follows in brackets.",
+        f"seeds 0..{seeds - 1}; the paper's number follows in brackets. pFedMe and pFedZO report their best "
+        "accuracy within the round budget given below (the paper's is 1,000 rounds).",
         "",
-        header,
+        "| Dataset-Model | " + " | ".join(ALGORITHMS) + " |",
         "|---" * (len(ALGORITHMS) + 1) + "|",
     ]
-    for dataset_name, model in SETTINGS:
-        cells = []
-        for algorithm, paper in zip(ALGORITHMS, PAPER[(dataset_name, model)]):
-            values = accuracies.get((dataset_name, model, algorithm))
-            if values:
-                cells.append(f"{np.mean(values):.2f} ({np.std(values):.2f}) [{paper:.2f}]")
+    for setting in SETTINGS:
+        row = []
+        for algorithm, paper in zip(ALGORITHMS, PAPER[setting]):
+            cell = cells.get(cell_key(setting, algorithm))
+            if cell and cell["accuracy"]:
+                values = cell["accuracy"]
+                budget = f", {cell['rounds']} rounds" if algorithm in BASELINES else ""
+                seeds_note = f", {len(values)} seed{'s' * (len(values) > 1)}" if len(values) != seeds else ""
+                row.append(f"{np.mean(values):.2f} ({np.std(values):.2f}{budget}{seeds_note}) [{paper:.2f}]")
             else:
-                cells.append(f"not run [{paper:.2f}]")
-        lines.append(f"| {dataset_name}-{model} | " + " | ".join(cells) + " |")
-    if trends:
-        lines += ["", "Baselines report their best accuracy within the round budget. Is the curve still rising? "
-                  "Best accuracy in the first half of the budget vs over the whole budget:", "",
-                  "| setting | algorithm | rounds | best in first half | best overall |", "|---|---|---|---|---|"]
-        for (dataset_name, model, algorithm), values in trends.items():
-            first, best, n = np.mean(values, axis=0)
-            lines.append(f"| {dataset_name}-{model} | {algorithm} | {int(n)} | {first:.2f} | {best:.2f} |")
-    lines += ["", "Gaps over 1 point are investigated in [table2_gaps.md](table2_gaps.md).", *notes]
-    report = "\n".join(lines) + "\n"
+                row.append(f"not run [{paper:.2f}]")
+        lines.append(f"| {setting} | " + " | ".join(row) + " |")
+    trend_rows = []
+    for setting in SETTINGS:
+        for algorithm in BASELINES:
+            cell = cells.get(cell_key(setting, algorithm))
+            if cell and cell["curves"]:
+                first, best = curve_trend(cell["curves"])
+                per_round = 60 * np.mean(cell["minutes"]) / cell["rounds"]
+                state = "rising" if best - first > 0.5 else "flat"
+                trend_rows.append(f"| {setting} | {algorithm} | {cell['rounds']} | {per_round:.1f} | "
+                                  f"{first:.2f} | {best:.2f} | {state} |")
+    if trend_rows:
+        lines += ["", "Round budgets of the baselines and whether their curves were still rising: best accuracy "
+                  "(mean over seeds) within the first half of the budget and within all of it; \"rising\" when "
+                  "the second half gained more than 0.5 points. Seconds per round include the evaluations.", "",
+                  "| setting | algorithm | rounds | s / round | best in first half | best overall | curve |",
+                  "|---|---|---|---|---|---|---|", *trend_rows]
+    lines += ["", "Runs that produced these cells (machine: "
+              f"{platform.machine()}, {fastls.available_cores()} cores, Python {platform.python_version()}, "
+              f"NumPy {np.__version__}):", ""]
+    for entry in runs:
+        lines.append(f"- `{entry['command']}`: {entry['minutes']:.1f} min ({', '.join(entry['cells'])})")
+    lines += ["", "Gaps over 1 point are investigated in [table2_gaps.md](table2_gaps.md)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--out", default="docs/table2.md")
+    parser.add_argument("--json", default=None, help="write this run's cells (and merged ones) here")
+    parser.add_argument("--settings", nargs="+", default=SETTINGS, choices=SETTINGS)
+    parser.add_argument("--algorithms", nargs="+", default=[a for a in ALGORITHMS if a not in BASELINES],
+                        choices=ALGORITHMS, help="default: the analytic methods only")
+    parser.add_argument("--baselines", nargs="*", default=[], choices=BASELINES,
+                        help="shorthand for adding these to --algorithms")
+    parser.add_argument("--baseline-rounds", nargs="+", default=[],
+                        help="round budget: N, ALGORITHM=N or ALGORITHM:DATASET-MODEL=N (default 1000)")
+    parser.add_argument("--baseline-seeds", type=int, default=None, help="seeds for the baselines (default --seeds)")
+    parser.add_argument("--cores", type=int, nargs="+", default=None,
+                        help="per-client cores (default: the protocol's random 1..available); accuracy does "
+                             "not depend on it, so parallel jobs may pin 1")
+    parser.add_argument("--merge", nargs="+", default=[], help="--json files of earlier runs; their cells are kept")
+    args = parser.parse_args(argv)
+    args.algorithms = list(dict.fromkeys(args.algorithms + args.baselines))
+    args.baseline_seeds = args.seeds if args.baseline_seeds is None else args.baseline_seeds
+    budget = parse_budget(args.baseline_rounds)
+
+    runs, cells = load_runs(args.merge)
+    lengths = {key: len(cell["accuracy"]) for key, cell in cells.items()}
+    command = "python bench/table2.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    this_run = {"command": command, "minutes": 0.0, "cells": []}
+    start = time.perf_counter()
+
+    def save():
+        # After every cell, so an interrupted run keeps what it measured.
+        this_run["minutes"] = (time.perf_counter() - start) / 60
+        this_run["cells"] = [k for k in cells if len(cells[k]["accuracy"]) != lengths.get(k, 0)]
+        if args.json:
+            with open(args.json + ".tmp", "w") as f:
+                json.dump({"runs": runs + ([this_run] if this_run["cells"] else []), "cells": cells}, f, indent=1)
+            os.replace(args.json + ".tmp", args.json)
+
+    run_cells(args, budget, cells, on_cell=save)
+    save()
+    report = render(runs + ([this_run] if this_run["cells"] else []), cells, args.seeds)
     print(report)
     with open(args.out, "w") as f:
         f.write(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"-".join(k): v for k, v in accuracies.items()}, f, indent=1)
     return 0
 
 

@@ -1,0 +1,49 @@
+"""The Table 2 script: round budgets, merging split runs, the rendered table."""
+
+import json
+
+import pytest
+
+import table2
+
+
+def test_budget_entries_narrow_from_all_to_one_cell():
+    budget = table2.parse_budget(["30", "pfedzo=4", "pfedzo:mnist-dnn=1"])
+    assert budget[("synthetic-lr", "pfedme")] == 30
+    assert budget[("mnist-lr", "pfedzo")] == 4
+    assert budget[("mnist-dnn", "pfedzo")] == 1
+    assert table2.parse_budget([])[("mnist-dnn", "pfedme")] == table2.PAPER_ROUNDS
+    with pytest.raises(SystemExit, match="unknown baseline 'fedavg'"):
+        table2.parse_budget(["fedavg=3"])
+    with pytest.raises(SystemExit, match="unknown setting 'cifar-dnn'"):
+        table2.parse_budget(["pfedme:cifar-dnn=3"])
+
+
+def test_curve_trend_compares_halves_of_the_budget():
+    rising = [[1, 50.0], [2, 60.0], [3, 70.0], [4, 80.0]]
+    flat = [[1, 70.0], [2, 71.0], [3, 71.0], [4, 70.5]]
+    assert table2.curve_trend([rising]) == (60.0, 80.0)
+    assert table2.curve_trend([rising, flat]) == (65.5, 75.5)
+    assert table2.curve_trend([[[1, 42.0]]]) == (42.0, 42.0)
+
+
+def test_split_runs_merge_into_one_table(tmp_path):
+    """Two short runs on disjoint cells, merged: every cell and both commands appear, nothing runs twice."""
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    common = ["--seeds", "1", "--settings", "synthetic-lr", "--cores", "1", "--out", str(tmp_path / "t.md")]
+    assert table2.main([*common, "--algorithms", "fedacnnl", "--json", str(first)]) == 0
+    assert table2.main([*common, "--algorithms", "pfedme", "--baseline-rounds", "2", "--json", str(second)]) == 0
+    assert table2.main([*common, "--algorithms", "fedacnnl", "pfedme", "--merge", str(first), str(second),
+                        "--json", str(tmp_path / "merged.json")]) == 0
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert [run["cells"] for run in merged["runs"]] == [["synthetic-lr-fedacnnl"], ["synthetic-lr-pfedme"]]
+    pfedme = merged["cells"]["synthetic-lr-pfedme"]
+    assert pfedme["rounds"] == 2 and [r for r, _ in pfedme["curves"][0]] == [1, 2]
+    assert pfedme["accuracy"][0] == max(acc for _, acc in pfedme["curves"][0])
+    assert 10.0 < merged["cells"]["synthetic-lr-fedacnnl"]["accuracy"][0] <= 100.0
+    report = (tmp_path / "t.md").read_text()
+    assert "| synthetic-lr | pfedme | 2 |" in report
+    assert "not run [96.92]" in report  # mnist-dnn pfedme was not asked for
+    assert report.count("python bench/table2.py") == 2
+    with pytest.raises(SystemExit, match="also in an earlier --merge file"):
+        table2.main([*common, "--merge", str(first), str(first)])
