@@ -352,6 +352,9 @@ def baseline_hyper(algorithm, dataset, model, **overrides):
         hyper = dict(BASELINES[algorithm][dataset][model])
     except KeyError:
         raise ValueError(f"no defaults for {algorithm} on dataset {dataset!r} with model {model!r}") from None
+    unknown = sorted(set(overrides) - set(hyper) - {"rounds"})
+    if unknown:
+        raise ValueError(f"unknown hyperparameters {unknown} for {algorithm}; it takes {sorted(hyper)}")
     hyper.update(overrides)
     return hyper
 

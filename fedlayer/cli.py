@@ -17,6 +17,23 @@ from .run import ALGORITHMS, RunConfig
 __all__ = ["main"]
 
 
+def _hyper_items(text):
+    """``"lr=1e-4,K=5"`` -> ``{"lr": 0.0001, "K": 5}`` (integers stay integers)."""
+    items = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {item!r}")
+        try:
+            items[key.strip()] = int(value)
+        except ValueError:
+            try:
+                items[key.strip()] = float(value)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{key.strip()}: expected a number, got {value!r}") from None
+    return items
+
+
 def _run_parser(sub):
     p = sub.add_parser("run", help="train with one of the algorithms")
     p.add_argument("--config", help="JSON file of RunConfig keys; flags given on the command line win")
@@ -27,6 +44,10 @@ def _run_parser(sub):
         if field.name == "cores":
             p.add_argument(flag, type=lambda s: [int(c) for c in s.split(",")], default=None,
                            help="comma-separated cores per client, cycled (default: random 1..available per seed)")
+        elif field.name == "hyper":
+            p.add_argument(flag, type=_hyper_items, default=None, metavar="KEY=VALUE[,KEY=VALUE...]",
+                           help="baseline hyperparameter overrides, e.g. lr=1e-4,b2=50 (defaults: "
+                                "fedlayer.baselines.BASELINES)")
         elif isinstance(default, bool):
             p.add_argument(flag, action="store_true", default=None, help=f"(default {default})")
         elif field.name == "algorithm":

@@ -63,6 +63,7 @@ class RunConfig:
     resume: bool = False         # continue from the checkpoint's last finished layer
     rounds: int | None = None    # baselines only: training rounds (default: the paper's, see BASELINES)
     eval_every: int = 1          # baselines only: evaluate every this many rounds (and the last)
+    hyper: dict | None = None    # baselines only: hyperparameter overrides, e.g. {"lr": 1e-4} (see BASELINES)
 
     def validate(self):
         if self.algorithm not in ALGORITHMS:
@@ -85,6 +86,11 @@ class RunConfig:
             raise ValueError(f"cores must be a non-empty list of integers >= 1, got {self.cores!r}")
         if self.batch_size > self.max_batch_size:
             raise ValueError(f"batch_size ({self.batch_size}) must not exceed max_batch_size ({self.max_batch_size})")
+        if self.hyper and self.algorithm not in BASELINES:
+            raise ValueError(f"hyper overrides baseline hyperparameters; {self.algorithm!r} is not a baseline "
+                             f"(baselines: {sorted(BASELINES)})")
+        if self.algorithm in BASELINES:
+            baseline_hyper(self.algorithm, self.dataset, self.model, **(self.hyper or {}))  # names unknown keys
         if self.algorithm in VARIANTS and VARIANTS[self.algorithm].cluster and self.groups > self.clients:
             raise ValueError(f"groups (K={self.groups}) cannot exceed the number of clients ({self.clients})")
         return self
@@ -234,7 +240,7 @@ def _results(config, transport, dataset, outcome, start):
 
 
 def _run_baseline(config, transport, dataset, clock, progress, start):
-    hyper = baseline_hyper(config.algorithm, config.dataset, config.model)
+    hyper = baseline_hyper(config.algorithm, config.dataset, config.model, **(config.hyper or {}))
     default_rounds = hyper.pop("rounds")
     rounds = config.rounds or default_rounds
     outcome = run_baseline(transport, config.algorithm, rounds, clock=clock, eval_every=config.eval_every,

@@ -81,6 +81,8 @@ def test_acnnl_is_one_pooled_client():
         (["--gamma", "-1"], "gamma must be a finite number > 0"),
         (["--batch-size", "2048"], "must not exceed max_batch_size"),
         (["--dataset", "mnist", "--data-dir", "/nonexistent"], "/nonexistent"),
+        (["--algorithm", "fedzo", "--hyper", "learning_rate=0.1"], "unknown hyperparameters ['learning_rate'] for fedzo"),
+        (["--hyper", "lr=0.1"], "'pfedacnnl' is not a baseline"),
     ],
 )
 def test_bad_input_is_a_clear_error(argv, message, capsys):
@@ -114,3 +116,21 @@ def test_baselines_run_through_the_cli(tmp_path, algorithm):
     assert 0.0 <= results["best_accuracy"] <= 1.0
     assert results["time_per_client"]["compute_s"] > 0
     assert np.load(out / "params.npy").ndim == 1
+
+
+@pytest.mark.parametrize("value,message", [("lr", "expected KEY=VALUE, got 'lr'"),
+                                           ("lr=fast", "lr: expected a number, got 'fast'")])
+def test_malformed_hyper_is_a_usage_error(value, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--algorithm", "fedavg", "--hyper", value])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_hyper_overrides_reach_the_baseline(tmp_path):
+    out = tmp_path / "fedzo"
+    assert main(["run", "--algorithm", "fedzo", "--clients", "6", "--model", "lr", "--rounds", "1",
+                 "--hyper", "lr=2.5e-4,b2=3", "--output", str(out), "--quiet"]) == 0
+    hyper = json.loads((out / "results.json").read_text())["hyperparameters"]
+    assert hyper["lr"] == 2.5e-4 and hyper["b2"] == 3 and isinstance(hyper["b2"], int)
+    assert hyper["mu"] == 1e-3  # untouched default
