@@ -1,12 +1,13 @@
 """Fig. 4/5: accuracy per round and averaged total training time per client.
 
-    python bench/fig45.py --dataset mnist [--budget N] [--out docs/results]
+    python bench/fig45.py --dataset mnist [--budget N [ALGORITHM=N ...]] [--out docs/results]
 
 Runs FedACnnL, FedACnnL-WA, FedAvg, FedZO and BAFFLE on the same data,
 splits, DNN, client cores and clock. The paper trains the baselines for 20
 rounds on MNIST and 600 on Synthetic; ``--budget`` caps the baselines' rounds
-when that does not fit here, and their total time is then also given
-extrapolated to the paper's round count from the measured per-round time.
+when that does not fit here (``N`` for all, ``ALGORITHM=N`` for one), and
+their total time is then also given extrapolated to the paper's round count
+from the measured per-round time.
 Writes fig45_<dataset>.json, .md and two PNGs.
 """
 
@@ -34,7 +35,8 @@ PAPER_CLAIMS = {"mnist": {"fedavg": 83, "fedzo": 98, "baffle": 99, "idle_vs_wa":
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", choices=sorted(PAPER_ROUNDS), default="mnist")
-    parser.add_argument("--budget", type=int, default=None, help="cap on the baselines' rounds")
+    parser.add_argument("--budget", nargs="+", default=[],
+                        help="cap on the baselines' rounds: N (all) and/or ALGORITHM=N entries")
     parser.add_argument("--eval-every", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="docs/results")
@@ -43,8 +45,13 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     paper_rounds = PAPER_ROUNDS[args.dataset]
-    rounds = min(paper_rounds, args.budget or paper_rounds)
-    eval_every = args.eval_every or max(1, rounds // 50)
+    rounds = {algorithm: paper_rounds for algorithm in BASELINE}
+    for entry in args.budget:
+        name, _, value = entry.rpartition("=")
+        if name and name not in BASELINE:
+            parser.error(f"--budget {entry}: {name!r} is not one of the baselines {BASELINE}")
+        for algorithm in [name] if name else BASELINE:
+            rounds[algorithm] = min(paper_rounds, int(value))
 
     try:
         dataset = load_dataset(RunConfig(dataset=args.dataset, seed=args.seed))
@@ -53,8 +60,9 @@ def main():
         return 1
     runs = {}
     for algorithm in args.algorithms:
-        config = RunConfig(algorithm=algorithm, dataset=args.dataset, model="dnn", seed=args.seed,
-                           rounds=rounds if algorithm in BASELINE else None, eval_every=eval_every)
+        budget = rounds.get(algorithm)
+        config = RunConfig(algorithm=algorithm, dataset=args.dataset, model="dnn", seed=args.seed, rounds=budget,
+                           eval_every=args.eval_every or max(1, (budget or 1) // 50))
         results = run(config, dataset=dataset)
         results.pop("group_weights", None)
         runs[algorithm] = results
@@ -73,10 +81,11 @@ def main():
         f"# Fig. 4/5 on {args.dataset}-DNN",
         "",
         f"Command: `python bench/fig45.py --dataset {args.dataset}"
-        + (f" --budget {args.budget}" if args.budget else "") + f" --seed {args.seed}` on {platform.machine()}, "
-        f"{fastls.available_cores()} cores (clients run one at a time, each under its own core limit of 1-"
-        f"{fastls.available_cores()}), 100 clients, simulated 100 Gbit/s links. Baselines: {rounds} rounds "
-        f"(paper: {paper_rounds}); hyperparameters in `fedlayer/baselines.py`.",
+        + (f" --budget {' '.join(args.budget)}" if args.budget else "") + f" --seed {args.seed}` on "
+        f"{platform.machine()}, {fastls.available_cores()} cores (clients run one at a time, each under its own "
+        f"core limit of 1-{fastls.available_cores()}), 100 clients, simulated 100 Gbit/s links. Baselines: "
+        + ", ".join(f"{a} {rounds[a]}" for a in BASELINE if a in runs)
+        + f" rounds (paper: {paper_rounds}); hyperparameters in `fedlayer/baselines.py`.",
         "",
         "| algorithm | rounds run | final acc (%) | best acc (%) | time/client, measured (s) | compute | idle | comm "
         f"| time/client at {paper_rounds} rounds (s) | per round (s) |",

@@ -178,11 +178,46 @@ def render(runs, cells, seeds):
     return "\n".join(lines) + "\n"
 
 
+def plot_curves(cells, path):
+    """One panel per setting: the baselines' mean accuracy per round, the analytic methods' final accuracy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, setting in zip(axes.flat, SETTINGS):
+        for algorithm in ALGORITHMS:
+            cell = cells.get(cell_key(setting, algorithm))
+            if not cell or not cell["accuracy"]:
+                continue
+            if algorithm in BASELINES:
+                curves = [np.array(c) for c in cell["curves"]]
+                length = min(len(c) for c in curves)  # seeds of one cell share the budget
+                mean = np.mean([c[:length, 1] for c in curves], axis=0)
+                ax.plot(curves[0][:length, 0], mean, marker="o" if length < 10 else None, label=algorithm)
+            else:
+                ax.axhline(np.mean(cell["accuracy"]), linestyle="--", linewidth=1, label=algorithm,
+                           color=f"C{2 + ALGORITHMS.index(algorithm)}")
+        ax.set_title(setting)
+        ax.set_xlabel("training round (baselines)")
+        ax.set_ylabel("overall test accuracy (%)")
+        ax.grid(alpha=0.3)
+    legend = {}
+    for ax in axes.flat:
+        legend.update(zip(*reversed(ax.get_legend_handles_labels())))
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=len(ALGORITHMS), fontsize="small")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--out", default="docs/table2.md")
     parser.add_argument("--json", default=None, help="write this run's cells (and merged ones) here")
+    parser.add_argument("--plot", default=None, help="PNG of the baselines' curves against the analytic results")
     parser.add_argument("--settings", nargs="+", default=SETTINGS, choices=SETTINGS)
     parser.add_argument("--algorithms", nargs="+", default=[a for a in ALGORITHMS if a not in BASELINES],
                         choices=ALGORITHMS, help="default: the analytic methods only")
@@ -221,6 +256,8 @@ def main(argv=None):
     print(report)
     with open(args.out, "w") as f:
         f.write(report)
+    if args.plot:
+        plot_curves(cells, args.plot)
     return 0
 
 

@@ -34,7 +34,8 @@ def test_split_runs_merge_into_one_table(tmp_path):
     assert table2.main([*common, "--algorithms", "fedacnnl", "--json", str(first)]) == 0
     assert table2.main([*common, "--algorithms", "pfedme", "--baseline-rounds", "2", "--json", str(second)]) == 0
     assert table2.main([*common, "--algorithms", "fedacnnl", "pfedme", "--merge", str(first), str(second),
-                        "--json", str(tmp_path / "merged.json")]) == 0
+                        "--json", str(tmp_path / "merged.json"), "--plot", str(tmp_path / "curves.png")]) == 0
+    assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")
     merged = json.loads((tmp_path / "merged.json").read_text())
     assert [run["cells"] for run in merged["runs"]] == [["synthetic-lr-fedacnnl"], ["synthetic-lr-pfedme"]]
     pfedme = merged["cells"]["synthetic-lr-pfedme"]
