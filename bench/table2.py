@@ -161,14 +161,20 @@ def render(runs, cells, seeds):
                 first, best = curve_trend(cell["curves"])
                 per_round = 60 * np.mean(cell["minutes"]) / cell["rounds"]
                 state = "rising" if best - first > 0.5 else "flat"
+                ours = cells.get(cell_key(setting, "pfedacnnl"), {"accuracy": []})["accuracy"]
+                paired = np.subtract(ours[:len(cell["accuracy"])], cell["accuracy"][:len(ours)])
+                margin = f"{paired.mean():+.2f} ({paired.std():.2f})" if paired.size else "-"
                 trend_rows.append(f"| {setting} | {algorithm} | {cell['rounds']} | {per_round:.1f} | "
-                                  f"{first:.2f} | {best:.2f} | {state} |")
+                                  f"{first:.2f} | {best:.2f} | {state} | {margin} |")
     if trend_rows:
         lines += ["", "Round budgets of the baselines and whether their curves were still rising: best accuracy "
                   "(mean over seeds) within the first half of the budget and within all of it; \"rising\" when "
-                  "the second half gained more than 0.5 points. Seconds per round include the evaluations.", "",
-                  "| setting | algorithm | rounds | s / round | best in first half | best overall | curve |",
-                  "|---|---|---|---|---|---|---|", *trend_rows]
+                  "the second half gained more than 0.5 points. Seconds per round include the evaluations "
+                  "(wall time of the run that measured them). The last column is pFedACnnL minus the baseline "
+                  "on the same seeds, i.e. the same generated data and partitions: mean (std).", "",
+                  "| setting | algorithm | rounds | s / round | best in first half | best overall | curve "
+                  "| pFedACnnL - baseline, paired |",
+                  "|---|---|---|---|---|---|---|---|", *trend_rows]
     lines += ["", "Runs that produced these cells (machine: "
               f"{platform.machine()}, {fastls.available_cores()} cores, Python {platform.python_version()}, "
               f"NumPy {np.__version__}):", ""]
