@@ -357,6 +357,9 @@ def baseline_hyper(algorithm, dataset, model, **overrides):
     unknown = sorted(set(overrides) - set(hyper) - {"rounds"})
     if unknown:
         raise ValueError(f"unknown hyperparameters {unknown} for {algorithm}; it takes {sorted(hyper)}")
+    for key, value in overrides.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+            raise ValueError(f"hyperparameter {key} must be a finite number, got {value!r}")
     hyper.update(overrides)
     return hyper
 

@@ -83,6 +83,7 @@ def test_acnnl_is_one_pooled_client():
         (["--dataset", "mnist", "--data-dir", "/nonexistent"], "/nonexistent"),
         (["--algorithm", "fedzo", "--hyper", "learning_rate=0.1"], "unknown hyperparameters ['learning_rate'] for fedzo"),
         (["--hyper", "lr=0.1"], "'pfedacnnl' is not a baseline"),
+        (["--algorithm", "fedavg", "--hyper", "lr=nan"], "hyperparameter lr must be a finite number, got nan"),
     ],
 )
 def test_bad_input_is_a_clear_error(argv, message, capsys):
