@@ -129,7 +129,7 @@ def curve_trend(curves):
     return float(np.mean(first)), float(np.mean(best))
 
 
-def render(runs, cells, seeds):
+def render(runs, cells, seeds, command):
     lines = [
         "# Table 2 measured here vs the paper",
         "",
@@ -180,7 +180,8 @@ def render(runs, cells, seeds):
               f"NumPy {np.__version__}):", ""]
     for entry in runs:
         lines.append(f"- `{entry['command']}`: {entry['minutes']:.1f} min ({', '.join(entry['cells'])})")
-    lines += ["", "Gaps over 1 point are investigated in [table2_gaps.md](table2_gaps.md)."]
+    lines += ["", f"This file: `{command}`.",
+              "", "Gaps over 1 point are investigated in [table2_gaps.md](table2_gaps.md)."]
     return "\n".join(lines) + "\n"
 
 
@@ -258,7 +259,7 @@ def main(argv=None):
 
     run_cells(args, budget, cells, on_cell=save)
     save()
-    report = render(runs + ([this_run] if this_run["cells"] else []), cells, args.seeds)
+    report = render(runs + ([this_run] if this_run["cells"] else []), cells, args.seeds, command)
     print(report)
     with open(args.out, "w") as f:
         f.write(report)
