@@ -99,12 +99,12 @@ def run_cells(args, budget, cells, on_cell=None):
                 rounds = budget[(setting, algorithm)] if algorithm in BASELINES else None
                 config = RunConfig(algorithm=algorithm, dataset=dataset_name, model=model, seed=seed,
                                    rounds=rounds, eval_every=max(1, (rounds or 1) // 50), cores=args.cores)
-                start = time.perf_counter()
-                results = run(config, dataset=dataset)
                 cell = cells.setdefault(cell_key(setting, algorithm), {"accuracy": [], "curves": [], "minutes": []})
-                if cell.get("rounds", rounds) != rounds:
+                if cell.get("rounds", rounds) != rounds:  # checked before spending the run
                     raise SystemExit(f"{cell_key(setting, algorithm)}: merged seeds ran {cell['rounds']} rounds, "
                                      f"this run's budget is {rounds}")
+                start = time.perf_counter()
+                results = run(config, dataset=dataset)
                 cell["accuracy"].append(100 * results.get("best_accuracy", results["accuracy"]))
                 cell["minutes"].append((time.perf_counter() - start) / 60)
                 if algorithm in BASELINES:
