@@ -249,17 +249,18 @@ def main(argv=None):
     start = time.perf_counter()
 
     def save():
-        # After every cell, so an interrupted run keeps what it measured.
+        """Write the JSON (after every cell, so an interrupted run keeps what it measured); returns all runs."""
         this_run["minutes"] = (time.perf_counter() - start) / 60
         this_run["cells"] = [k for k in cells if len(cells[k]["accuracy"]) != lengths.get(k, 0)]
+        all_runs = runs + ([this_run] if this_run["cells"] else [])
         if args.json:
             with open(args.json + ".tmp", "w") as f:
-                json.dump({"runs": runs + ([this_run] if this_run["cells"] else []), "cells": cells}, f, indent=1)
+                json.dump({"runs": all_runs, "cells": cells}, f, indent=1)
             os.replace(args.json + ".tmp", args.json)
+        return all_runs
 
     run_cells(args, budget, cells, on_cell=save)
-    save()
-    report = render(runs + ([this_run] if this_run["cells"] else []), cells, args.seeds, command)
+    report = render(save(), cells, args.seeds, command)
     print(report)
     with open(args.out, "w") as f:
         f.write(report)

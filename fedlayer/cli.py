@@ -22,15 +22,16 @@ def _hyper_items(text):
     items = {}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {item!r}")
         try:
-            items[key.strip()] = int(value)
+            items[key] = int(value)
         except ValueError:
             try:
-                items[key.strip()] = float(value)
+                items[key] = float(value)
             except ValueError:
-                raise argparse.ArgumentTypeError(f"{key.strip()}: expected a number, got {value!r}") from None
+                raise argparse.ArgumentTypeError(f"{key}: expected a number, got {value!r}") from None
     return items
 
 
