@@ -21,7 +21,7 @@ Buffers over ``chunk_bytes`` (2**30) travel as several messages (MPI counts
 are C ints). With ``pack_upper`` the statistics ``G`` of ``local_stats`` --
 whose lower triangle the clients never touch -- travel as their packed upper
 triangle, d(d+1)/2 values instead of d^2 (off by default: slower over shared
-memory, see :class:`MPITransport` and ``bench/mpi_pack.py``).
+memory, see :class:`MPITransport` and ``experiments/mpi_pack.py``).
 
 Each result dict gains ``"mpi_recv_s"``: seconds rank 0 spent receiving its
 buffers (not added to ``label_summary``, whose whole payload is counted as

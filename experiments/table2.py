@@ -1,6 +1,6 @@
 """The paper's Table 2 protocol: mean and std of the test accuracy over seeds.
 
-    python bench/table2.py [--seeds 5] [--out docs/table2.md]
+    python experiments/table2.py [--seeds 5] [--out docs/table2.md]
 
 FedACnnL, pFedACnnL-WC, -WP and pFedACnnL (and, with ``--baselines``, pFedMe
 and pFedZO) on MNIST-DNN, Synthetic-DNN, MNIST-LR and Synthetic-LR with the
@@ -244,7 +244,7 @@ def main(argv=None):
 
     runs, cells = load_runs(args.merge)
     lengths = {key: len(cell["accuracy"]) for key, cell in cells.items()}
-    command = "python bench/table2.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    command = "python experiments/table2.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     this_run = {"command": command, "minutes": 0.0, "cells": []}
     start = time.perf_counter()
 

@@ -1,6 +1,6 @@
 """Fig. 6: CIFAR-10 with the DCNN for FedACnnL, -WA, pFedACnnL, -WC, -WP.
 
-    python bench/fig6_cifar.py [--width 0.125] [--out docs/results]
+    python experiments/fig6_cifar.py [--width 0.125] [--out docs/results]
 
 Writes fig6.json, fig6_accuracy.png and fig6.md (accuracy per round and the
 averaged total training time per client, next to the paper's numbers). As in
@@ -84,7 +84,7 @@ def main():
     lines = [
         "# Fig. 6: CIFAR-10, DCNN",
         "",
-        f"Command: `python bench/fig6_cifar.py --width {args.width} --seed {args.seed}` on {platform.machine()}, "
+        f"Command: `python experiments/fig6_cifar.py --width {args.width} --seed {args.seed}` on {platform.machine()}, "
         f"{fastls.available_cores()} cores; 100 clients, Dirichlet beta = 0.1, gamma = 100, eps = 2500, K = 10, "
         f"float32 data with float64 statistics. DCNN channel width x{args.width} "
         f"({', '.join(str(model.layers[i].ls_shape(model.input_shape_of(i))) for i in model.trainable)} "

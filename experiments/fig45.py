@@ -1,6 +1,6 @@
 """Fig. 4/5: accuracy per round and averaged total training time per client.
 
-    python bench/fig45.py --dataset mnist [--budget N [ALGORITHM=N ...]] [--out docs/results]
+    python experiments/fig45.py --dataset mnist [--budget N [ALGORITHM=N ...]] [--out docs/results]
 
 Runs FedACnnL, FedACnnL-WA, FedAvg, FedZO and BAFFLE on the same data,
 splits, DNN, client cores and clock. The paper trains the baselines for 20
@@ -80,7 +80,7 @@ def main():
     lines = [
         f"# Fig. 4/5 on {args.dataset}-DNN",
         "",
-        f"Command: `python bench/fig45.py --dataset {args.dataset}"
+        f"Command: `python experiments/fig45.py --dataset {args.dataset}"
         + (f" --budget {' '.join(args.budget)}" if args.budget else "") + f" --seed {args.seed}` on "
         f"{platform.machine()}, {fastls.available_cores()} cores (clients run one at a time, each under its own "
         f"core limit of 1-{fastls.available_cores()}), 100 clients, simulated 100 Gbit/s links. Baselines: "

@@ -1,6 +1,6 @@
 """Measure the fastls kernels against their references in one run; print a markdown report.
 
-    python bench/kernels_report.py [--quick] [--out FILE]
+    python experiments/kernels_report.py [--quick] [--out FILE]
 
 Every ratio compares implementations timed in the same process on the same
 data (best of ``--repeat`` runs). GFLOP/s counts N d^2 flops for a Gram.
@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 
 import fastls
-from cases import (
+
+# The report times the same cases as the pytest-benchmark files, which live in bench/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from cases import (  # noqa: E402
     CONV_CASES,
     GRAM_SHAPES,
     SOLVE_SIZES,

@@ -45,8 +45,8 @@ def test_split_runs_merge_into_one_table(tmp_path):
     report = (tmp_path / "t.md").read_text()
     assert "| synthetic-lr | pfedme | 2 |" in report
     assert "not run [96.92]" in report  # mnist-dnn pfedme was not asked for
-    assert report.count("python bench/table2.py") == 3  # the two runs, then the merge that wrote the file
-    assert "This file: `python bench/table2.py --seeds 1" in report
+    assert report.count("python experiments/table2.py") == 3  # the two runs, then the merge that wrote the file
+    assert "This file: `python experiments/table2.py --seeds 1" in report
     with pytest.raises(SystemExit, match="merged seeds ran 2 rounds, this run's budget is 3"):
         table2.main([*common[:1], "2", *common[2:], "--algorithms", "pfedme", "--baseline-rounds", "3",
                      "--merge", str(second)])

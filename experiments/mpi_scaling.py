@@ -1,6 +1,6 @@
 """FedACnnL wall time in process vs under mpiexec, bytes per round vs the paper's O(.).
 
-    python bench/mpi_scaling.py [--dataset mnist] [--clients 100] [--out docs/results/mpi_scaling.md]
+    python experiments/mpi_scaling.py [--dataset mnist] [--clients 100] [--out docs/results/mpi_scaling.md]
 
 All runs happen in this script, one after the other, on the same data and
 seed. Under MPI rank 0 is the server and ranks 1..R-1 host the clients.
@@ -67,7 +67,7 @@ def main():
     lines = [
         f"# FedACnnL over MPI: {args.dataset}-{args.model}, {args.clients} clients",
         "",
-        f"Command: `python bench/mpi_scaling.py --dataset {args.dataset} --model {args.model} --clients "
+        f"Command: `python experiments/mpi_scaling.py --dataset {args.dataset} --model {args.model} --clients "
         f"{args.clients}` on {platform.machine()}, {fastls.available_cores()} cores (MPICH from the `mpich` wheel, "
         "shared memory). Wall time includes start-up and data loading on every rank.",
         "",

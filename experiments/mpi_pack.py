@@ -1,4 +1,4 @@
-"""Packed upper triangle vs full G over MPI: ``mpiexec -n 2 python bench/mpi_pack.py``.
+"""Packed upper triangle vs full G over MPI: ``mpiexec -n 2 python experiments/mpi_pack.py``.
 
 Per round: rank 0 asks rank 1 for G (float64, d x d, upper triangle only, as
 the clients leave it); rank 1 flattens it (packing when asked) and sends the
