@@ -24,6 +24,8 @@ import numpy as np
 import fastls
 from fedlayer.run import RunConfig, load_dataset, run
 
+from dev_layout import use_shared_data
+
 ANALYTIC = ["fedacnnl", "fedacnnl-wa"]
 BASELINE = ["fedavg", "fedzo", "baffle"]
 PAPER_ROUNDS = {"mnist": 20, "synthetic": 600}
@@ -42,6 +44,7 @@ def main():
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--algorithms", nargs="+", default=ANALYTIC + BASELINE)
     args = parser.parse_args()
+    use_shared_data()  # the checkout's ../shared/data unless FEDLAYER_DATA_DIR says otherwise
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     paper_rounds = PAPER_ROUNDS[args.dataset]
@@ -85,7 +88,7 @@ def main():
         f"{platform.machine()}, {fastls.available_cores()} cores (clients run one at a time, each under its own "
         f"core limit of 1-{fastls.available_cores()}), 100 clients, simulated 100 Gbit/s links. Baselines: "
         + ", ".join(f"{a} {rounds[a]}" for a in BASELINE if a in runs)
-        + f" rounds (paper: {paper_rounds}); hyperparameters in `fedlayer/baselines.py`.",
+        + f" rounds (paper: {paper_rounds}); hyperparameters in `fedlayer/baselines/hyper.py`.",
         "",
         "| algorithm | rounds run | final acc (%) | best acc (%) | time/client, measured (s) | compute | idle | comm "
         f"| time/client at {paper_rounds} rounds (s) | per round (s) |",

@@ -2,7 +2,10 @@
 
     fedlayer run [--config FILE.json] [--algorithm pfedacnnl] [--dataset synthetic] ...
     fedlayer plot RESULTS.json [--out DIR]
-    fedlayer predict MODEL.npz --dataset mnist [--data-dir DIR]
+    fedlayer predict MODEL.npz|DIR [--data-dir DIR]
+
+Bad input ends with exit status 2 and one line naming the flag, file or value
+that was wrong, never a traceback.
 """
 
 from __future__ import annotations
@@ -11,10 +14,16 @@ import argparse
 import dataclasses
 import json
 import sys
+import zipfile
+from pathlib import Path
 
-from .run import ALGORITHMS, RunConfig
+from ._validation import Interval, Options, parse_text
+from .algorithms import ALGORITHMS
+from .run import CONFIG_CONSTRAINTS, RunConfig
 
 __all__ = ["main"]
+
+_MPI_DEADLINE = [Interval(float, 0, None, closed="neither")]
 
 
 def _hyper_items(text):
@@ -35,15 +44,31 @@ def _hyper_items(text):
     return items
 
 
+def _flag_type(constraints, metavar):
+    """An argparse type parsing a flag's text under ``constraints`` (argparse names the flag)."""
+
+    def parse(text):
+        try:
+            return parse_text(text, constraints)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    parse.__name__ = metavar  # argparse's fallback message names the type
+    return parse
+
+
 def _run_parser(sub):
-    p = sub.add_parser("run", help="train with one of the algorithms")
+    p = sub.add_parser("run", help="train with one of the algorithms",
+                       epilog="algorithms: " + "; ".join(f"{a.name}: {a.summary}" for a in ALGORITHMS.values()))
     p.add_argument("--config", help="JSON file of RunConfig keys; flags given on the command line win")
     defaults = RunConfig()
     for field in dataclasses.fields(RunConfig):
         flag = "--" + field.name.replace("_", "-")
         default = getattr(defaults, field.name)
+        constraints = CONFIG_CONSTRAINTS[field.name]
+        options = next((c.values for c in constraints if isinstance(c, Options)), None)
         if field.name == "cores":
-            p.add_argument(flag, type=lambda s: [int(c) for c in s.split(",")], default=None,
+            p.add_argument(flag, type=_flag_type(constraints, "cores"), default=None, metavar="N[,N...]",
                            help="comma-separated cores per client, cycled (default: random 1..available per seed)")
         elif field.name == "hyper":
             p.add_argument(flag, type=_hyper_items, default=None, metavar="KEY=VALUE[,KEY=VALUE...]",
@@ -51,28 +76,34 @@ def _run_parser(sub):
                                 "fedlayer.baselines.BASELINES)")
         elif isinstance(default, bool):
             p.add_argument(flag, action="store_true", default=None, help=f"(default {default})")
-        elif field.name == "algorithm":
-            p.add_argument(flag, choices=ALGORITHMS, default=None, help=f"(default {default})")
+        elif options is not None:
+            p.add_argument(flag, choices=options, default=None, help=f"one of %(choices)s (default {default})")
         else:
-            kind = type(default) if default is not None else {"int": int, "float": float}.get(
-                str(field.type).split("|")[0].strip(), str)
-            p.add_argument(flag, type=kind, default=None, help=f"(default {default})")
+            p.add_argument(flag, type=_flag_type(constraints, field.name), default=None,
+                           help=f"{constraints[-1]} (default {default})")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
-    p.add_argument("--mpi-deadline", type=float, default=600.0,
+    p.add_argument("--mpi-deadline", type=_flag_type(_MPI_DEADLINE, "seconds"), default=600.0,
                    help="under mpiexec: longest wait (s) for a rank's next result before aborting (default 600)")
     return p
 
 
+def _read_config_file(path):
+    """The dict in JSON file ``path``; errors name the file (and the line of a syntax error)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as err:
+        raise ValueError(f"config {path}: cannot read it ({err.strerror or err})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"config {path}: not valid JSON ({err})") from None
+
+
 def _config_from_args(args):
-    values = {}
-    if args.config:
-        with open(args.config) as f:
-            values.update(json.load(f))
-    for field in dataclasses.fields(RunConfig):
-        value = getattr(args, field.name)
-        if value is not None:
-            values[field.name] = value
-    return RunConfig.from_dict(values)
+    values = _read_config_file(args.config) if args.config else {}
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig) if getattr(args, f.name) is not None}
+    if isinstance(values, dict):  # anything else is refused by from_dict, naming the file
+        values = {**values, **flags}
+    return RunConfig.from_dict(values, f"config {args.config}: " if args.config else "")
 
 
 def _summary(results):
@@ -90,47 +121,69 @@ def _summary(results):
             f"{key:>5} {record['stage']:<16} {layer:>5} {acc:>9} "
             f"{max((c['compute_s'] for c in clients), default=0):>14.4f} {max((c['idle_s'] for c in clients), default=0):>11.4f}"
         )
+    layers = {r["layer"] for r in results["rounds"].values() if r["stage"] == "federated"}
+    if len(layers) > 1:
+        lines.append(
+            f"(accuracy stays near chance, 1/{results['n_classes']}, until the last layer is trained: hidden "
+            "layers are fitted to encoded labels, and the output layer keeps its random initial weights until "
+            "its own round)")
     lines.append(
-        f"final accuracy {results['accuracy']:.4f}; averaged total time per client {t['total_s']:.3f} s "
-        f"(compute {t['compute_s']:.3f}, idle {t['idle_s']:.3f}, communication {t['comm_s']:.4f}); wall {results['wall_s']:.1f} s"
+        f"final accuracy {results['accuracy']:.4f}; averaged total training time per client {t['total_s']:.3f} s "
+        f"(compute {t['compute_s']:.3f}, idle {t['idle_s']:.3f}, simulated communication {t['comm_s']:.4f}); "
+        f"wall clock of the whole run, data loading included, {results['wall_s']:.1f} s"
     )
     return "\n".join(lines)
 
 
-def cmd_run(args):
-    from tqdm import tqdm
+class _ProgressBar:
+    """tqdm bar whose total is set when the run announces its number of rounds (so it shows an ETA)."""
 
+    def __init__(self, description):
+        from tqdm import tqdm
+
+        self.bar = tqdm(desc=description, unit="round", file=sys.stderr)
+
+    def start(self, total):
+        self.bar.reset(total=total)
+
+    def __call__(self, message):
+        self.bar.update(1)
+        self.bar.set_postfix_str(message)
+
+    def close(self):
+        self.bar.close()
+
+
+def cmd_run(args):
     from .models import build_model  # noqa: F401  (import errors surface before data loading)
     from .run import run
 
     config = _config_from_args(args)
-    config.validate()
     from . import mpi
 
     comm = mpi.world()  # None unless launched by mpiexec with more than one rank
     if comm is not None and comm.Get_rank() > 0:
         return mpi.serve(comm, config)
     transport = None if comm is None else mpi.MPITransport(comm, deadline_s=args.mpi_deadline)
-    bar = None if args.quiet else tqdm(desc=f"{config.algorithm}", unit="round", file=sys.stderr)
-
-    def progress(message):
-        bar.update(1)
-        bar.set_postfix_str(message)
-
+    bar = None if args.quiet else _ProgressBar(config.algorithm)
     try:
-        results = run(config, transport=transport, progress=None if bar is None else progress)
+        results = run(config, transport=transport, progress=bar)
     except BaseException:
         if transport is not None:
             transport.close(status=1)  # stops the workers (aborts the job if a rank hangs)
         raise
+    finally:
+        if bar is not None:
+            bar.close()
     if transport is not None:
         transport.close()
-    if bar is not None:
-        bar.close()
     if not args.quiet:
         print(_summary(results))
         if config.output:
-            print(f"results and models written to {config.output}/")
+            print(f"results and models written to {config.output}/ (plots: fedlayer plot "
+                  f"{Path(config.output) / 'results.json'})")
+        else:
+            print("nothing was written to disk: add --output DIR to keep results.json and the trained models")
     return 0
 
 
@@ -142,19 +195,68 @@ def cmd_plot(args):
     return 0
 
 
-def cmd_predict(args):
-    from .data import load_federated
+def _load_models(path):
+    """[(file, Model, metadata)] of a model file, or of every ``*.npz`` model in a directory."""
     from .models import Model
 
-    model, metadata = Model.load(args.model)
-    dataset = load_federated(args.dataset, n_clients=args.clients, seed=args.seed, data_dir=args.data_dir,
-                             dtype=model.dtype)
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.glob("*.npz") if p.name != "checkpoint.npz")
+        if not files:
+            raise ValueError(f"{path} holds no model files (*.npz)")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise ValueError(f"{path}: no such model file or directory")
+    models = []
+    for file in files:
+        try:
+            model, metadata = Model.load(file)
+        except (OSError, EOFError, KeyError, zipfile.BadZipFile) as err:
+            raise ValueError(f"{file} is not a readable fedlayer model file ({type(err).__name__}: {err})") from None
+        models.append((file, model, metadata))
+    return models
+
+
+def _predict_split(models, args):
+    """The split the models are scored on: the one saved with them, flags overriding where that means something."""
+    saved = [m.get("split") for _, _, m in models]
+    if any(s != saved[0] for s in saved):
+        raise ValueError("the model files were trained on different splits; score them one at a time")
+    split = dict(saved[0] or RunConfig().split())
+    for key, value in (("dataset", args.dataset), ("clients", args.clients), ("seed", args.seed)):
+        if value is None or value == split[key]:
+            continue
+        for file, _, metadata in models:
+            if metadata.get("clients") is not None and len(metadata["clients"]) != split["clients"]:
+                raise ValueError(
+                    f"{file.name} was trained for {len(metadata['clients'])} of the {split['clients']} clients of "
+                    f"its saved split ({key}={split[key]!r}); --{key} {value} makes other clients: omit --{key} "
+                    f"to score it on its own clients")
+        split[key] = value
+    return split
+
+
+def cmd_predict(args):
+    from .run import load_dataset
+
+    models = _load_models(args.model)
+    split = _predict_split(models, args)
+    dataset = load_dataset(dataclasses.replace(RunConfig(), **split, data_dir=args.data_dir))
     correct = total = 0
-    for client in dataset.clients:
-        c, n = model.accuracy(client.x_test, client.y_test)
-        correct, total = correct + c, total + n
-    print(json.dumps({"model": str(args.model), "metadata": metadata, "dataset": args.dataset,
-                      "test_samples": int(total), "accuracy": correct / max(total, 1)}, indent=1, default=str))
+    scored = []
+    for file, model, metadata in models:
+        clients = metadata.get("clients") or list(range(len(dataset.clients)))
+        outside = [cid for cid in clients if not 0 <= cid < len(dataset.clients)]
+        if outside:
+            raise ValueError(f"{file.name} belongs to clients {outside}, which the split "
+                             f"({len(dataset.clients)} clients) does not have")
+        for cid in clients:
+            c, n = model.accuracy(dataset.clients[cid].x_test, dataset.clients[cid].y_test)
+            correct, total = correct + c, total + n
+        scored.append({"model": str(file), "clients": len(clients), "metadata": metadata})
+    print(json.dumps({"split": split, "models": scored, "test_samples": int(total),
+                      "accuracy": correct / max(total, 1)}, indent=1, default=str))
     return 0
 
 
@@ -165,16 +267,23 @@ def main(argv=None):
     p = sub.add_parser("plot", help="PNG plots of a results.json")
     p.add_argument("results")
     p.add_argument("--out", help="output directory (default: beside the results)")
-    p = sub.add_parser("predict", help="accuracy of a saved model on a dataset's local test splits")
-    p.add_argument("model")
-    p.add_argument("--dataset", default="synthetic")
-    p.add_argument("--clients", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("predict", help="accuracy of saved models on the local test splits they were trained for",
+                       description="Score a model file (model.npz, model_groupK.npz) or a directory of them (the "
+                                   "run's output for the group models, OUTPUT/personalized for pFedACnnL's "
+                                   "per-client models) on the split saved with them; each group or client model "
+                                   "is scored on its own clients only.")
+    p.add_argument("model", help="a model .npz file or a directory of them")
+    p.add_argument("--dataset", choices=CONFIG_CONSTRAINTS["dataset"][0].values, default=None,
+                   help="score a global model on another dataset (default: the saved one)")
+    p.add_argument("--clients", type=_flag_type(CONFIG_CONSTRAINTS["clients"], "clients"), default=None,
+                   help="another number of clients (global models only; default: the saved one)")
+    p.add_argument("--seed", type=_flag_type(CONFIG_CONSTRAINTS["seed"], "seed"), default=None,
+                   help="another split seed (global models only; default: the saved one)")
     p.add_argument("--data-dir", default=None)
     args = parser.parse_args(argv)
     try:
         return {"run": cmd_run, "plot": cmd_plot, "predict": cmd_predict}[args.command](args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:
         print(f"fedlayer {args.command}: error: {err}", file=sys.stderr)
         return 2
 

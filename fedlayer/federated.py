@@ -12,7 +12,7 @@ off by :class:`Variant`:
    adapt by eq. (7) unless disabled;
 3. *local personalization*: each client solves eq. (13) layer by layer.
 
-Time is accounted per client and round on a simulated clock: measured
+Time is accounted per client and round by :mod:`fedlayer.timing`: measured
 compute time (under the client's core limit), communication time from the
 bytes moved over a configured bandwidth and latency, and idle time waiting
 for the slowest client. See ``docs/design.md``.
@@ -28,9 +28,10 @@ import numpy as np
 
 import fastls
 
-from .transport import payload_bytes
+from .timing import Clock, RoundLog, payload_bytes
+from .transport import overall_accuracy
 
-__all__ = ["Variant", "VARIANTS", "Clock", "RoundLog", "adaptive_batch_sizes", "run_protocol", "time_summary"]
+__all__ = ["Variant", "VARIANTS", "adaptive_batch_sizes", "run_protocol"]
 
 
 @dataclass(frozen=True)
@@ -50,19 +51,6 @@ VARIANTS = {
     "pfedacnnl-wc": Variant(cluster=False, personalize=True),
     "pfedacnnl-wp": Variant(cluster=True, personalize=False),
 }
-
-
-@dataclass(frozen=True)
-class Clock:
-    """Simulated links: time = latency + bytes / bandwidth, per message."""
-
-    bandwidth_bytes_per_s: float = 100e9 / 8  # the paper's 100 Gbit/s InfiniBand
-    latency_s: float = 5e-6
-
-    def transfer(self, nbytes):
-        if math.isinf(self.bandwidth_bytes_per_s):
-            return 0.0
-        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
 
 
 def adaptive_batch_sizes(durations, first_durations, first_batch, max_batch):
@@ -98,55 +86,6 @@ def _cluster(summaries, n_groups, seed):
     H = np.stack([summaries[cid] for cid in cids])
     labels = KMeans(n_clusters=n_groups, random_state=seed, n_init=10).fit_predict(H)
     return {cid: int(label) for cid, label in zip(cids, labels)}
-
-
-class RoundLog:
-    """Per-client timings of one round, turned into the results record."""
-
-    def __init__(self, stage, position, clock):
-        self.stage, self.position, self.clock = stage, position, clock
-        self.compute, self.up, self.down, self.batch, self.measured = {}, {}, {}, {}, {}
-        self.server_s = 0.0
-        self.up_bytes = self.down_bytes = 0
-
-    def arrived(self, cid, compute_s, up_bytes, measured_recv_s=None):
-        self.compute[cid] = compute_s
-        self.up[cid] = self.clock.transfer(up_bytes)
-        self.up_bytes += up_bytes
-        if measured_recv_s is not None:  # real receive time of an MPI transport
-            self.measured[cid] = measured_recv_s
-
-    def record(self, accuracy):
-        arrival = {cid: self.compute[cid] + self.up[cid] for cid in self.compute}
-        latest = max(arrival.values(), default=0.0)
-        clients = {
-            str(cid): {
-                "compute_s": self.compute[cid],
-                "comm_s": self.up[cid] + self.down.get(cid, 0.0),
-                "idle_s": latest - arrival[cid],
-                "arrival_s": arrival[cid],
-                **({"batch_size": self.batch[cid]} if cid in self.batch else {}),
-                **({"mpi_recv_s": self.measured[cid]} if cid in self.measured else {}),
-            }
-            for cid in self.compute
-        }
-        return {
-            "stage": self.stage,
-            "layer": self.position,
-            "accuracy": accuracy,
-            "server_s": self.server_s,
-            "bytes_up": self.up_bytes,
-            "bytes_down": self.down_bytes,
-            "clients": clients,
-        }
-
-
-def _evaluate(transport):
-    correct = total = 0
-    for _, result in transport.call("evaluate", {cid: {} for cid in transport.client_ids}):
-        correct += result["correct"]
-        total += result["total"]
-    return correct / total if total else float("nan")
 
 
 def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500.0, groups=10, seed=0,
@@ -253,9 +192,8 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
             batch = adaptive_batch_sizes(durations, first_durations, first_batch, max_batch)
         set_args = {cid: {"position": position, "weights": weights[group_of[cid]]} for cid in cids}
         for cid, _ in transport.call("set_weights", set_args):
-            log.down[cid] = clock.transfer(weights[group_of[cid]].nbytes + 8)
-            log.down_bytes += weights[group_of[cid]].nbytes + 8
-        rounds.append(log.record(_evaluate(transport)))
+            log.sent(cid, weights[group_of[cid]].nbytes + 8)  # the weights and the next batch size
+        rounds.append(log.record(overall_accuracy(transport)))
         if checkpoint is not None:
             from .checkpoint import save_checkpoint
 
@@ -272,7 +210,7 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
             for cid, result in transport.call("personalize", args):
                 log.arrived(cid, result["compute_s"], 0)
                 log.up[cid] = 0.0
-            rounds.append(log.record(_evaluate(transport)))
+            rounds.append(log.record(overall_accuracy(transport)))
             if progress:
                 progress(f"layer {position + 1}/{n_layers} personalized, accuracy {rounds[-1]['accuracy']:.4f}")
 
@@ -282,18 +220,3 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         "group_weights": group_weights,
         "accuracy": rounds[-1]["accuracy"],
     }
-
-
-def time_summary(rounds):
-    """Averaged total training time per client = compute + idle + communication (paper's metric)."""
-    totals = {}
-    for record in rounds:
-        for cid, t in record["clients"].items():
-            acc = totals.setdefault(cid, {"compute_s": 0.0, "idle_s": 0.0, "comm_s": 0.0})
-            for key in acc:
-                acc[key] += t[key]
-    if not totals:
-        return {"compute_s": 0.0, "idle_s": 0.0, "comm_s": 0.0, "total_s": 0.0}
-    mean = {key: float(np.mean([t[key] for t in totals.values()])) for key in ("compute_s", "idle_s", "comm_s")}
-    mean["total_s"] = sum(mean.values())
-    return mean

@@ -404,6 +404,7 @@ def serve(comm, config):
     """Worker loop of ranks 1..R-1: host this rank's clients until told to stop; returns the exit status."""
     from mpi4py import MPI
 
+    from .algorithms import ALGORITHMS
     from .run import build, load_dataset, make_clients
 
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -411,7 +412,7 @@ def serve(comm, config):
     try:
         dataset = load_dataset(config)
         model_config = build(config, dataset).config()
-        if config.algorithm == "acnnl":
+        if ALGORITHMS[config.algorithm].centralized:
             ids = [0] if rank == 1 else []
         else:
             ids = [cid for cid in range(len(dataset.clients)) if hosting_rank(cid, size) == rank]

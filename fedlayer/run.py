@@ -3,15 +3,20 @@
 :func:`run` is what ``fedlayer run`` calls; it is also the library entry
 point for scripts::
 
-    from fedlayer.run import RunConfig, run
+    from fedlayer import RunConfig, run
     results = run(RunConfig(algorithm="fedacnnl", dataset="synthetic", model="dnn"))
+
+What differs between algorithms (their clients, their training loop, the
+files they write) comes from :data:`fedlayer.algorithms.ALGORITHMS`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import platform
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,17 +25,54 @@ import numpy as np
 
 import fastls
 
-from .baselines import BASELINES, BaselineClient, baseline_hyper, run_baseline
+from ._validation import Boolean, InstanceOf, Interval, ListOf, Options, check_params
+from .algorithms import ALGORITHMS
 from .client import Client
-from .data import ClientData, load_federated
-from .federated import VARIANTS, Clock, run_protocol, time_summary
-from .models import build_model
+from .data import KNOWN_DATASETS, ClientData, load_federated
+from .models import KNOWN_MODELS, build_model
+from .timing import Clock, time_summary
 from .transport import InProcessTransport
 
-__all__ = ["RunConfig", "run", "make_clients", "client_cores", "ALGORITHMS"]
+__all__ = ["RunConfig", "run", "make_clients", "client_cores", "load_dataset", "CONFIG_CONSTRAINTS"]
 
-#: The analytic algorithms (one parametrized protocol) and the gradient / zeroth-order baselines.
-ALGORITHMS = sorted(VARIANTS) + sorted(BASELINES)
+_POSITIVE_INT = [Interval(int, 1, None)]
+_POSITIVE = [Interval(float, 0, None, closed="neither")]
+_PATH = [None, InstanceOf(str, "a path")]
+
+#: What each RunConfig key accepts; the CLI's flags parse through the same constraints.
+CONFIG_CONSTRAINTS = {
+    "algorithm": [Options(*ALGORITHMS)],
+    "dataset": [Options(*KNOWN_DATASETS)],
+    "model": [Options(*KNOWN_MODELS)],
+    "clients": _POSITIVE_INT,
+    "beta": _POSITIVE,
+    "gamma": _POSITIVE,
+    "eps": _POSITIVE,
+    "groups": _POSITIVE_INT,
+    "seed": [Interval(int, 0, None)],
+    "batch_size": _POSITIVE_INT,
+    "max_batch_size": _POSITIVE_INT,
+    "width": _POSITIVE,
+    "dtype": [Options("float32", "float64")],
+    "cores": [None, ListOf(Interval(int, 1, None))],
+    "bandwidth_gbps": _POSITIVE,
+    "latency_ms": [Interval(float, 0, None)],
+    "train_fraction": [Interval(float, 0, 1, closed="neither")],
+    "min_samples": [Interval(int, 0, None)],
+    "synthetic_alpha": [Interval(float, 0, None)],
+    "synthetic_beta": [Interval(float, 0, None)],
+    "data_dir": _PATH,
+    "output": _PATH,
+    "checkpoint": _PATH,
+    "resume": [Boolean()],
+    "rounds": [None, Interval(int, 1, None)],
+    "eval_every": _POSITIVE_INT,
+    "hyper": [None, InstanceOf(dict, "a dict of hyperparameter names to numbers")],
+}
+
+#: The RunConfig keys that define the clients' data and its train/test split.
+SPLIT_KEYS = ("dataset", "clients", "beta", "seed", "train_fraction", "min_samples", "synthetic_alpha",
+              "synthetic_beta", "dtype")
 
 
 @dataclass
@@ -65,54 +107,50 @@ class RunConfig:
     eval_every: int = 1          # baselines only: evaluate every this many rounds (and the last)
     hyper: dict | None = None    # baselines only: hyperparameter overrides, e.g. {"lr": 1e-4} (see BASELINES)
 
-    def validate(self):
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose one of {ALGORITHMS}")
-        if self.rounds is not None and (not isinstance(self.rounds, int) or self.rounds < 1):
-            raise ValueError(f"rounds must be an integer >= 1, got {self.rounds!r}")
-        for name in ("clients", "groups", "batch_size", "max_batch_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("gamma", "eps", "beta", "bandwidth_gbps", "width"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and np.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        if self.latency_ms < 0:
-            raise ValueError(f"latency_ms must be >= 0, got {self.latency_ms!r}")
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
-        if self.cores is not None and (not self.cores or any(not isinstance(c, int) or c < 1 for c in self.cores)):
-            raise ValueError(f"cores must be a non-empty list of integers >= 1, got {self.cores!r}")
+    def validate(self, where=""):
+        """Check every value against :data:`CONFIG_CONSTRAINTS` and the algorithm's own rules.
+
+        ``where`` prefixes the messages (e.g. the config file's name).
+        """
+        check_params(dataclasses.asdict(self), CONFIG_CONSTRAINTS, where)
         if self.batch_size > self.max_batch_size:
-            raise ValueError(f"batch_size ({self.batch_size}) must not exceed max_batch_size ({self.max_batch_size})")
-        if self.hyper and self.algorithm not in BASELINES:
-            raise ValueError(f"hyper overrides baseline hyperparameters; {self.algorithm!r} is not a baseline "
-                             f"(baselines: {sorted(BASELINES)})")
-        if self.algorithm in BASELINES:
-            baseline_hyper(self.algorithm, self.dataset, self.model, **(self.hyper or {}))  # names unknown keys
-        if self.algorithm in VARIANTS and VARIANTS[self.algorithm].cluster and self.groups > self.clients:
-            raise ValueError(f"groups (K={self.groups}) cannot exceed the number of clients ({self.clients})")
+            raise ValueError(f"{where}batch_size ({self.batch_size}) must not exceed max_batch_size "
+                             f"({self.max_batch_size})")
+        if self.resume and self.checkpoint_path() is None:
+            raise ValueError(f"{where}resume needs a checkpoint to resume from: give output or checkpoint")
+        try:
+            ALGORITHMS[self.algorithm].check_config(self)
+        except ValueError as err:
+            raise ValueError(f"{where}{err}") from None
         return self
 
     @classmethod
-    def from_dict(cls, values):
+    def from_dict(cls, values, where=""):
+        """A validated RunConfig from a dict of its keys (a parsed config file).
+
+        ``where`` prefixes the messages (e.g. ``"config run.json: "``).
+        """
+        if not isinstance(values, dict):
+            raise ValueError(f"{where}expected a JSON object of RunConfig keys, got {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown configuration keys {unknown}; known keys: {sorted(known)}")
-        return cls(**values)
+            raise ValueError(f"{where}unknown configuration keys {unknown}; known keys: {sorted(known)}")
+        return cls(**values).validate(where)
 
     def checkpoint_path(self):
         if self.checkpoint:
             return Path(self.checkpoint)
         return Path(self.output) / "checkpoint.npz" if self.output else None
 
+    def split(self):
+        """The settings that define the clients' data and train/test split (saved with the models)."""
+        return {key: getattr(self, key) for key in SPLIT_KEYS}
+
     def fingerprint(self):
         """The settings that determine the trained weights (checked on resume)."""
-        keys = ("algorithm", "dataset", "model", "clients", "beta", "gamma", "groups", "seed", "width", "dtype",
-                "train_fraction", "min_samples", "synthetic_alpha", "synthetic_beta")
-        return {key: getattr(self, key) for key in keys}
+        return {"algorithm": self.algorithm, "model": self.model, "gamma": self.gamma, "groups": self.groups,
+                "width": self.width, **self.split()}
 
 
 def client_cores(n_clients, seed, cores=None, available=None):
@@ -136,9 +174,10 @@ def _pooled(dataset):
 
 
 def make_clients(config: RunConfig, dataset, model_config, client_ids=None):
-    """The Client objects for ``client_ids`` (all when None), deterministically from the config."""
+    """The client objects for ``client_ids`` (all when None), deterministically from the config."""
+    algorithm = ALGORITHMS[config.algorithm]
     cores = client_cores(len(dataset.clients), config.seed, config.cores)
-    if config.algorithm == "acnnl":
+    if algorithm.centralized:
         return [Client(0, _pooled(dataset), model_config, config.seed, dataset.n_classes, max(cores), np.float64)]
     ids = range(len(dataset.clients)) if client_ids is None else client_ids
     clients = []
@@ -146,10 +185,7 @@ def make_clients(config: RunConfig, dataset, model_config, client_ids=None):
         data = dataset.clients[cid]
         if data.n_train == 0:
             raise ValueError(f"client {cid} has no training samples; lower --clients or raise --min-samples")
-        if config.algorithm in BASELINES:
-            clients.append(BaselineClient(cid, data, config.model, dataset.n_classes, config.seed, cores[cid]))
-        else:
-            clients.append(Client(cid, data, model_config, config.seed, dataset.n_classes, cores[cid], np.float64))
+        clients.append(algorithm.make_client(cid, data, config, dataset.n_classes, model_config, cores[cid]))
         del data
     return clients
 
@@ -175,102 +211,90 @@ def build(config: RunConfig, dataset):
                        dtype=np.dtype(config.dtype))
 
 
+def check_output_paths(config: RunConfig):
+    """Refuse an output or checkpoint path that cannot be written, before any work is done.
+
+    Creates the output directory (and the checkpoint's) and writes a probe
+    file in it, so a path naming a file, a read-only folder or a full disk is
+    reported now rather than after training.
+    """
+    directories = []
+    if config.output:
+        output = Path(config.output)
+        if output.exists() and not output.is_dir():
+            raise ValueError(f"output {str(output)!r} is a file; give a directory (created if missing)")
+        directories.append(("output", output))
+    checkpoint = config.checkpoint_path()
+    if checkpoint is not None:
+        if checkpoint.is_dir():
+            raise ValueError(f"checkpoint {str(checkpoint)!r} is a directory; give a file path, "
+                             f"e.g. {str(checkpoint / 'checkpoint.npz')!r}")
+        directories.append(("checkpoint", checkpoint.parent))
+    for key, directory in directories:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=directory):
+                pass
+        except OSError as err:
+            raise ValueError(f"{key} directory {str(directory)!r} is not writable: "
+                             f"{err.strerror or err}") from None
+
+
 def run(config: RunConfig, transport=None, progress=None, dataset=None):
     """Run ``config`` in process (or over ``transport``); returns the results dict and writes it if asked.
 
-    ``dataset`` skips loading when the caller already holds ``load_dataset(config)``.
+    Parameters
+    ----------
+    config : RunConfig
+    transport : Transport or None
+        Where the clients are; None builds them in this process.
+    progress : callable(str) or None
+        Called with a short status after every round.
+    dataset : FederatedDataset or None
+        ``load_dataset(config)`` when the caller already holds it.
+
+    Returns
+    -------
+    dict
+        The content of ``results.json`` plus in-memory entries (the trained
+        ``group_weights`` of the analytic methods, the ``params`` of the
+        baselines).
     """
     config.validate()
+    check_output_paths(config)
+    algorithm = ALGORITHMS[config.algorithm]
     start = time.perf_counter()
     dataset = load_dataset(config) if dataset is None else dataset
     model = build(config, dataset)
     if transport is None:
         transport = InProcessTransport(make_clients(config, dataset, model.config()))
-    centralized = config.algorithm == "acnnl"
-    clock = Clock(float("inf")) if centralized else Clock(config.bandwidth_gbps * 1e9 / 8, config.latency_ms / 1e3)
-    if config.algorithm in BASELINES:
-        return _run_baseline(config, transport, dataset, clock, progress, start)
-    variant = VARIANTS[config.algorithm]
-    checkpoint = config.checkpoint_path()
-    resume_state = None
-    if config.resume:
-        if checkpoint is None:
-            raise ValueError("resume needs a checkpoint: give output or checkpoint")
-        if checkpoint.exists():
-            from .checkpoint import load_checkpoint
-
-            resume_state = load_checkpoint(checkpoint, config.fingerprint())
-    outcome = run_protocol(
-        transport,
-        len(model.trainable),
-        variant,
-        gamma=config.gamma,
-        eps=config.eps,
-        groups=config.groups,
-        seed=config.seed,
-        batch_size=config.batch_size,
-        max_batch_size=config.max_batch_size,
-        clock=clock,
-        progress=progress,
-        checkpoint=checkpoint,
-        resume=resume_state,
-        fingerprint=config.fingerprint(),
-    )
-    results = _results(config, transport, dataset, outcome, start)
-    results["groups"] = outcome["groups"]
-    results["resumed_from_layer"] = resume_state["layers_done"] if resume_state else None
-    if config.output:
-        _write(config, results, model, outcome["group_weights"])
-    results["group_weights"] = outcome["group_weights"]
-    return results
-
-
-def _results(config, transport, dataset, outcome, start):
-    """The results record shared by every algorithm (keyed by round)."""
-    return {
+    # The centralized reference moves no data: its links are free.
+    clock = (Clock(float("inf")) if algorithm.centralized
+             else Clock(config.bandwidth_gbps * 1e9 / 8, config.latency_ms / 1e3))
+    outcome = algorithm.train(config, transport, model, clock, progress)
+    results = {
         "config": dataclasses.asdict(config),
         "machine": {"python": platform.python_version(), "cores": fastls.available_cores(), "numpy": np.__version__},
         "n_clients": len(transport.client_ids),
         "n_classes": dataset.n_classes,
-        "accuracy": outcome["accuracy"],
-        "rounds": {str(i + 1): record for i, record in enumerate(outcome["rounds"])},
-        "time_per_client": time_summary(outcome["rounds"]),
-        "wall_s": time.perf_counter() - start,
+        "accuracy": outcome.accuracy,
+        "rounds": {str(i + 1): record for i, record in enumerate(outcome.rounds)},
+        "time_per_client": time_summary(outcome.rounds),
+        **outcome.results,
     }
-
-
-def _run_baseline(config, transport, dataset, clock, progress, start):
-    hyper = baseline_hyper(config.algorithm, config.dataset, config.model, **(config.hyper or {}))
-    default_rounds = hyper.pop("rounds")
-    rounds = config.rounds or default_rounds
-    outcome = run_baseline(transport, config.algorithm, rounds, clock=clock, eval_every=config.eval_every,
-                           progress=progress, **hyper)
-    results = _results(config, transport, dataset, outcome, start)
-    results["hyperparameters"] = hyper
-    results["best_accuracy"] = outcome["best_accuracy"]
+    results["wall_s"] = time.perf_counter() - start
     if config.output:
-        out = Path(config.output)
-        out.mkdir(parents=True, exist_ok=True)
-        _write_json(out / "results.json", results)
-        np.save(out / "params.npy", outcome["params"])
-    return results
+        _write(Path(config.output), results, outcome.files)
+    return {**results, **outcome.in_memory}
 
 
-def _write_json(path, results):
-    tmp = Path(str(path) + ".tmp")
+def _write(out, results, files):
+    """``results.json`` and the algorithm's files, each written whole or not at all."""
+    for name, write in files.items():
+        path = out / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(path)
+    tmp = out / "results.json.tmp"
     with open(tmp, "w") as f:
         json.dump(results, f, indent=1)
-    tmp.replace(path)
-
-
-def _write(config, results, model, group_weights):
-    out = Path(config.output)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "results.json", results)
-    for k, weights in group_weights.items():
-        trained = model.copy()
-        for index, W in zip(trained.trainable, weights):
-            trained.layers[index].set_weights(W)
-        name = "model.npz" if len(group_weights) == 1 else f"model_group{k}.npz"
-        trained.save(out / name, metadata={"algorithm": config.algorithm, "dataset": config.dataset,
-                                           "group": k, "seed": config.seed, "gamma": config.gamma})
+    os.replace(tmp, out / "results.json")

@@ -13,20 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Iterator
 
-__all__ = ["Transport", "InProcessTransport", "payload_bytes"]
-
-
-def payload_bytes(obj):
-    """Bytes a message carries: the sum of its NumPy buffers (scalars count 8)."""
-    import numpy as np
-
-    if isinstance(obj, np.ndarray):
-        return obj.nbytes
-    if isinstance(obj, dict):
-        return sum(payload_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(payload_bytes(v) for v in obj)
-    return 8
+__all__ = ["Transport", "InProcessTransport", "overall_accuracy"]
 
 
 class Transport(ABC):
@@ -69,3 +56,18 @@ class InProcessTransport(Transport):
 
     def client(self, cid):
         return self._clients[cid]
+
+
+def overall_accuracy(transport, args=None):
+    """Correct predictions over test samples, summed over every client's local test split.
+
+    ``args`` (cid -> keyword arguments of ``evaluate``) defaults to no
+    arguments: each client scores its own current model. NaN when no client
+    has a test sample.
+    """
+    args = {cid: {} for cid in transport.client_ids} if args is None else args
+    correct = total = 0
+    for _, result in transport.call("evaluate", args):
+        correct += result["correct"]
+        total += result["total"]
+    return correct / total if total else float("nan")

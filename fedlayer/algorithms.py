@@ -1,0 +1,208 @@
+"""Every algorithm ``fedlayer run`` knows, by name, and what runs it.
+
+:data:`ALGORITHMS` maps a name to an :class:`Algorithm`: the analytic
+methods (one parametrized protocol, :mod:`fedlayer.federated`) and the
+gradient / zeroth-order baselines (:mod:`fedlayer.baselines`). An algorithm
+checks the parts of a configuration only it cares about, builds its
+clients, trains over a transport and names the files it leaves in the
+output directory; :func:`fedlayer.run.run` does the rest the same way for
+all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ._validation import Options, check_param
+from .baselines import BASELINES, PERSONALIZED, BaselineClient, baseline_hyper, run_baseline
+from .baselines.models import MODEL_HIDDEN
+from .client import Client
+from .federated import VARIANTS, Variant, run_protocol
+
+__all__ = ["ALGORITHMS", "Algorithm", "AnalyticAlgorithm", "BaselineAlgorithm", "Outcome"]
+
+
+@dataclass
+class Outcome:
+    """What training produced.
+
+    Attributes
+    ----------
+    rounds : list of dict
+        :class:`fedlayer.timing.RoundLog` records, in order.
+    accuracy : float
+        Overall test accuracy after the last round.
+    results : dict
+        Algorithm-specific entries of ``results.json`` (JSON-able).
+    in_memory : dict
+        Entries of the returned results only (arrays, not written as JSON).
+    files : dict
+        Name relative to the output directory -> callable(path) writing it.
+    """
+
+    rounds: list
+    accuracy: float
+    results: dict = field(default_factory=dict)
+    in_memory: dict = field(default_factory=dict)
+    files: dict = field(default_factory=dict)
+
+
+def announce_rounds(progress, total):
+    """Tell ``progress`` how many rounds will report, when it can take it (a ``start(total)`` method)."""
+    start = getattr(progress, "start", None)
+    if start is not None:
+        start(total)
+
+
+class Algorithm:
+    """An algorithm ``fedlayer run`` can run.
+
+    Attributes
+    ----------
+    name : str
+    summary : str
+        One line for ``fedlayer run --help``.
+    centralized : bool
+        One client holding every client's training data, no communication.
+    personalized : bool
+        The accuracy is that of each client's own model.
+    """
+
+    name: str
+    summary: str
+    centralized = False
+    personalized = False
+
+    def check_config(self, config):
+        """Raise ValueError for settings this algorithm cannot run with."""
+
+    def make_client(self, cid, data, config, n_classes, model_config, cores):
+        """The client object for client ``cid`` holding ``data``."""
+        raise NotImplementedError
+
+    def train(self, config, transport, model, clock, progress):
+        """Train over ``transport``; returns an :class:`Outcome`."""
+        raise NotImplementedError
+
+
+class AnalyticAlgorithm(Algorithm):
+    """FedACnnL, pFedACnnL and their ablations: :func:`fedlayer.federated.run_protocol` with a :class:`Variant`."""
+
+    def __init__(self, name, variant: Variant, summary, centralized=False):
+        self.name, self.variant, self.summary, self.centralized = name, variant, summary, centralized
+        self.personalized = variant.personalize
+
+    def check_config(self, config):
+        for key in ("hyper", "rounds"):
+            if getattr(config, key) is not None:
+                raise ValueError(f"{key} applies to the baselines ({', '.join(sorted(BASELINES))}); "
+                                 f"{self.name!r} trains one round per layer and takes no {key}")
+        if self.variant.cluster and config.groups > config.clients:
+            raise ValueError(f"groups (K={config.groups}) cannot exceed the number of clients ({config.clients})")
+
+    def make_client(self, cid, data, config, n_classes, model_config, cores):
+        return Client(cid, data, model_config, config.seed, n_classes, cores, np.float64)
+
+    def train(self, config, transport, model, clock, progress):
+        resume_state = None
+        checkpoint = config.checkpoint_path()
+        if config.resume and checkpoint.exists():
+            from .checkpoint import load_checkpoint
+
+            resume_state = load_checkpoint(checkpoint, config.fingerprint())
+        n_layers = len(model.trainable)
+        layers_done = resume_state["layers_done"] if resume_state else 0
+        announce_rounds(progress, n_layers - layers_done + (n_layers if self.variant.personalize else 0))
+        outcome = run_protocol(
+            transport, n_layers, self.variant, gamma=config.gamma, eps=config.eps,
+            groups=config.groups, seed=config.seed, batch_size=config.batch_size,
+            max_batch_size=config.max_batch_size, clock=clock, progress=progress, checkpoint=checkpoint,
+            resume=resume_state, fingerprint=config.fingerprint(),
+        )
+        group_of = {int(cid): k for cid, k in outcome["groups"].items()}
+        group_weights = outcome["group_weights"]
+        files = {}
+        for k, weights in group_weights.items():
+            name = "model.npz" if len(group_weights) == 1 else f"model_group{k}.npz"
+            members = sorted(cid for cid, group in group_of.items() if group == k)
+            files[name] = _model_writer(model, weights, config, members, group=k)
+        if self.personalized and config.output:
+            # Each client's personalized layers live only on the client: fetch them while it is still there.
+            for cid, result in transport.call("final_weights", {cid: {} for cid in transport.client_ids}):
+                files[f"personalized/client{cid}.npz"] = _model_writer(model, result["weights"], config, [cid],
+                                                                        group=group_of[cid])
+        return Outcome(
+            rounds=outcome["rounds"], accuracy=outcome["accuracy"],
+            results={"groups": outcome["groups"],
+                     "resumed_from_layer": resume_state["layers_done"] if resume_state else None},
+            in_memory={"group_weights": group_weights}, files=files,
+        )
+
+
+def _model_writer(model, weights, config, clients, group):
+    """A writer of ``model`` with ``weights``, and with the split and clients it is to be scored on."""
+
+    def write(path):
+        trained = model.copy()
+        for index, W in zip(trained.trainable, weights):
+            trained.layers[index].set_weights(W)
+        trained.save(path, metadata={"algorithm": config.algorithm, "gamma": config.gamma, "eps": config.eps,
+                                     "group": group, "clients": clients, "split": config.split()})
+
+    return write
+
+
+class BaselineAlgorithm(Algorithm):
+    """A gradient or zeroth-order baseline: :func:`fedlayer.baselines.run_baseline`."""
+
+    def __init__(self, name, summary):
+        self.name, self.summary = name, summary
+        self.personalized = name in PERSONALIZED
+
+    def check_config(self, config):
+        check_param("model", config.model, [Options(*MODEL_HIDDEN)])
+        baseline_hyper(self.name, config.dataset, config.model, **(config.hyper or {}))  # names unknown keys
+
+    def make_client(self, cid, data, config, n_classes, model_config, cores):
+        return BaselineClient(cid, data, config.model, n_classes, config.seed, cores)
+
+    def train(self, config, transport, model, clock, progress):
+        hyper = baseline_hyper(self.name, config.dataset, config.model, **(config.hyper or {}))
+        rounds = config.rounds or hyper.pop("rounds")
+        hyper.pop("rounds", None)
+        announce_rounds(progress, rounds)
+        outcome = run_baseline(transport, self.name, rounds, clock=clock, eval_every=config.eval_every,
+                               progress=progress, **hyper)
+        params = outcome["params"]
+        return Outcome(
+            rounds=outcome["rounds"], accuracy=outcome["accuracy"],
+            results={"hyperparameters": hyper, "best_accuracy": outcome["best_accuracy"]},
+            in_memory={"params": params},
+            files={"params.npy": lambda path: np.save(path, params)},
+        )
+
+
+_ANALYTIC_SUMMARIES = {
+    "acnnl": "centralized reference: one client holding all training data",
+    "fedacnnl": "FedACnnL: one global model, adaptive batch sizes (eq. 7)",
+    "fedacnnl-wa": "FedACnnL with fixed batch sizes",
+    "pfedacnnl": "pFedACnnL: K-means groups, then local personalization",
+    "pfedacnnl-wc": "pFedACnnL with one group",
+    "pfedacnnl-wp": "pFedACnnL without personalization",
+}
+_BASELINE_SUMMARIES = {
+    "fedavg": "FedAvg (local SGD, averaged)",
+    "fedzo": "FedZO (two-point zeroth-order SGD)",
+    "baffle": "BAFFLE (Stein zeroth-order estimate)",
+    "pfedme": "pFedMe (Moreau-envelope personalization)",
+    "pfedzo": "pFedZO (pFedMe with zeroth-order inner steps)",
+}
+
+#: name -> Algorithm, for every algorithm ``fedlayer run --algorithm`` accepts.
+ALGORITHMS = {
+    **{name: AnalyticAlgorithm(name, variant, _ANALYTIC_SUMMARIES[name], centralized=name == "acnnl")
+       for name, variant in VARIANTS.items()},
+    **{name: BaselineAlgorithm(name, _BASELINE_SUMMARIES[name]) for name in BASELINES},
+}

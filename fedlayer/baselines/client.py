@@ -1,0 +1,141 @@
+"""A client of the baselines: local SGD, zeroth-order or Moreau-envelope updates of one round."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+import fastls
+
+from ..data import ClientData
+from .estimators import stein_gradient, zo_sphere_gradient
+from .hyper import BASELINES
+from .models import make_baseline_model
+
+__all__ = ["BaselineClient"]
+
+
+class BaselineClient:
+    """One client of the baselines; the server calls its methods by name through a transport.
+
+    Parameters
+    ----------
+    client_id : int
+    data : ClientData
+    model_name : "lr" or "dnn"
+    n_classes : int
+    seed : int
+        Run seed: initial parameters (identical on every client) and, with
+        the client id and round index, this client's minibatch and
+        perturbation draws.
+    cores : int
+        Local work runs under ``fastls.limit_cores(cores)``.
+    """
+
+    def __init__(self, client_id, data: ClientData, model_name, n_classes, seed, cores=1):
+        self.client_id = int(client_id)
+        self.data = data
+        self.n_classes = int(n_classes)
+        self.seed = int(seed)
+        self.cores = int(cores)
+        self.model = make_baseline_model(model_name, data.x_train.shape[1:], n_classes)
+        self.params = None  # last local parameters (w)
+        self.theta = None   # personalized model (pFedMe / pFedZO)
+        fastls.blas_info()  # build threadpoolctl's controller outside the timed rounds
+
+    # -- helpers --------------------------------------------------------------
+    def _rng(self, round_index, tag):
+        return np.random.default_rng([self.seed, self.client_id, int(round_index), tag])
+
+    def _batch(self, idx):
+        return self.data.x_train[idx], self.data.y_train[idx]
+
+    def _sample(self, rng, size):
+        n = self.data.n_train
+        return rng.choice(n, size=min(int(size), n), replace=False)
+
+    def _f(self, x, y):
+        model = self.model
+        return lambda p: model.loss(p, x, y)
+
+    # -- methods the server calls ---------------------------------------------
+    def initial_params(self):
+        """The seeded initial parameters (the same on every client)."""
+        return {"params": self.model.init_params(self.seed)}
+
+    def local_train(self, algorithm, params, round_index, **hyper):
+        """Local update of one round; returns ``{"params", "n", "compute_s"}``."""
+        algorithm = str(algorithm).lower()
+        method = getattr(self, f"_{algorithm}", None)
+        if algorithm not in BASELINES or method is None:
+            raise ValueError(f"unknown baseline {algorithm!r}; choose one of {sorted(BASELINES)}")
+        w = np.array(params, dtype=np.float64)  # own copy
+        start = time.perf_counter()
+        with fastls.limit_cores(self.cores):
+            w = method(w, round_index, **hyper)
+        compute_s = time.perf_counter() - start
+        self.params = w
+        return {"params": w, "n": self.data.n_train, "compute_s": compute_s}
+
+    def evaluate(self, params=None):
+        """(correct, total) on the local test split; ``params=None`` = this client's personalized model."""
+        if params is None:
+            params = self.theta if self.theta is not None else self.params
+        total = self.data.n_test
+        if total == 0 or params is None:
+            return {"correct": 0, "total": int(total)}
+        pred = self.model.predict(np.asarray(params, dtype=np.float64), self.data.x_test)
+        return {"correct": int((pred == self.data.y_test).sum()), "total": int(total)}
+
+    # -- local updates --------------------------------------------------------
+    def _fedavg(self, w, round_index, *, lr, batch_size, local_epochs=1):
+        rng = self._rng(round_index, 1)
+        for _ in range(int(local_epochs)):
+            order = rng.permutation(self.data.n_train)
+            for s in range(0, len(order), int(batch_size)):
+                x, y = self._batch(order[s:s + int(batch_size)])
+                w -= lr * self.model.grad(w, x, y)
+        return w
+
+    def _fedzo(self, w, round_index, *, lr, local_iters, b1, b2=20, mu=1e-3):
+        rng = self._rng(round_index, 2)
+        for _ in range(int(local_iters)):
+            x, y = self._batch(self._sample(rng, b1))
+            w -= lr * zo_sphere_gradient(self._f(x, y), w, b2, mu, rng)
+        return w
+
+    def _baffle(self, w, round_index, *, lr, batch_size, K=100, sigma=1e-4, clip=0.3, local_epochs=1):
+        rng = self._rng(round_index, 3)
+        for _ in range(int(local_epochs)):
+            order = rng.permutation(self.data.n_train)
+            for s in range(0, len(order), int(batch_size)):
+                x, y = self._batch(order[s:s + int(batch_size)])
+                w -= lr * stein_gradient(self._f(x, y), w, K, sigma, rng, clip=clip)
+        return w
+
+    def _moreau(self, w, round_index, inner_grad, *, lr, personal_lr, lamda, K, batch_size, local_epochs):
+        """pFedMe's local rounds; ``inner_grad(theta, x, y, rng)`` is the gradient (or its estimate) of f."""
+        rng = self._rng(round_index, 4)
+        theta = w.copy()
+        for _ in range(int(local_epochs)):
+            x, y = self._batch(self._sample(rng, batch_size))
+            # theta ~ argmin f(theta; batch) + lamda/2 ||theta - w||^2, by K gradient steps (warm start).
+            for _ in range(int(K)):
+                theta -= personal_lr * (inner_grad(theta, x, y, rng) + lamda * (theta - w))
+            w -= lr * lamda * (w - theta)
+        self.theta = theta
+        return w
+
+    def _pfedme(self, w, round_index, *, lr, personal_lr, lamda, K=5, batch_size=20, local_epochs=20):
+        return self._moreau(w, round_index, lambda p, x, y, rng: self.model.grad(p, x, y), lr=lr,
+                            personal_lr=personal_lr, lamda=lamda, K=K, batch_size=batch_size,
+                            local_epochs=local_epochs)
+
+    def _pfedzo(self, w, round_index, *, lr, personal_lr, lamda, K=5, batch_size=20, local_epochs=20,
+                b2=20, mu=1e-3):
+        def inner(p, x, y, rng):
+            return zo_sphere_gradient(self._f(x, y), p, b2, mu, rng)
+
+        return self._moreau(w, round_index, inner, lr=lr, personal_lr=personal_lr, lamda=lamda, K=K,
+                            batch_size=batch_size, local_epochs=local_epochs)

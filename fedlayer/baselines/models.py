@@ -1,0 +1,138 @@
+"""The baselines' networks: LR and the [128, 64] DNN with hand-written backpropagation.
+
+Parameters are one flat float64 vector; the model knows the shapes and hands
+out views (:meth:`BaselineModel.unpack`), so perturbations and averaging are
+plain vector arithmetic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["MODEL_HIDDEN", "BaselineModel", "make_baseline_model"]
+
+#: Hidden widths of the baselines' models (the paper's LR and DNN).
+MODEL_HIDDEN = {"lr": (), "dnn": (128, 64)}
+
+
+class BaselineModel:
+    """Fully connected softmax classifier with hand-written backpropagation.
+
+    Layers ``n_features -> hidden... -> n_classes``; ReLU after every hidden
+    layer; softmax + cross-entropy (mean over the batch) at the output.
+    Parameters: one flat float64 vector, layer by layer ``W_l`` (n_in, n_out,
+    row-major) then ``b_l`` (n_out,).
+    """
+
+    def __init__(self, name, n_features, n_classes, hidden=()):
+        self.name = name
+        self.n_features = int(n_features)
+        self.n_classes = int(n_classes)
+        sizes = [self.n_features, *map(int, hidden), self.n_classes]
+        self.layer_sizes = tuple(sizes)
+        self.shapes = []
+        for n_in, n_out in zip(sizes[:-1], sizes[1:]):
+            self.shapes += [(n_in, n_out), (n_out,)]
+        self.sizes = [int(np.prod(s)) for s in self.shapes]
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int)
+        self.n_params = int(self.offsets[-1])
+
+    def __repr__(self):
+        return f"BaselineModel({self.name!r}, layers={self.layer_sizes}, n_params={self.n_params})"
+
+    # -- parameters ----------------------------------------------------------
+    def unpack(self, params):
+        """Views ``[W_1, b_1, W_2, b_2, ...]`` into the flat vector ``params``."""
+        params = np.asarray(params)
+        if params.shape != (self.n_params,):
+            raise ValueError(f"expected a flat vector of {self.n_params} parameters, got shape {params.shape}")
+        return [params[a:b].reshape(s) for a, b, s in zip(self.offsets[:-1], self.offsets[1:], self.shapes)]
+
+    def init_params(self, seed):
+        """PyTorch-default-like init: W and b ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), seeded."""
+        rng = np.random.default_rng([int(seed), 0xBA5E])
+        params = np.empty(self.n_params)
+        views = self.unpack(params)
+        for l in range(len(views) // 2):
+            W, b = views[2 * l], views[2 * l + 1]
+            bound = 1.0 / np.sqrt(W.shape[0])  # fan_in
+            W[...] = rng.uniform(-bound, bound, size=W.shape)
+            b[...] = rng.uniform(-bound, bound, size=b.shape)
+        return params
+
+    # -- forward / backward --------------------------------------------------
+    def _input(self, x):
+        x = np.asarray(x)
+        return x.reshape(x.shape[0], -1).astype(np.float64, copy=False)
+
+    def _forward(self, params, x):
+        views = self.unpack(params)
+        acts = [self._input(x)]
+        n_layers = len(views) // 2
+        for l in range(n_layers):
+            z = acts[-1] @ views[2 * l] + views[2 * l + 1]
+            if l < n_layers - 1:
+                z = np.maximum(z, 0.0)
+            acts.append(z)
+        return acts  # acts[-1] are the logits
+
+    @staticmethod
+    def _log_softmax(logits):
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+    def logits(self, params, x):
+        return self._forward(params, x)[-1]
+
+    def loss(self, params, x, y):
+        """Mean cross-entropy of the softmax outputs on (x, y)."""
+        y = np.asarray(y)
+        logp = self._log_softmax(self.logits(params, x))
+        return float(-logp[np.arange(len(y)), y].mean())
+
+    def loss_and_grad(self, params, x, y):
+        """(loss, flat gradient) by exact backpropagation."""
+        y = np.asarray(y)
+        n = len(y)
+        acts = self._forward(params, x)
+        logp = self._log_softmax(acts[-1])
+        loss = float(-logp[np.arange(n), y].mean())
+        delta = np.exp(logp)
+        delta[np.arange(n), y] -= 1.0
+        delta /= n
+        views = self.unpack(params)
+        grad = np.empty(self.n_params)
+        gviews = self.unpack(grad)
+        for l in range(len(views) // 2 - 1, -1, -1):
+            gviews[2 * l][...] = acts[l].T @ delta
+            gviews[2 * l + 1][...] = delta.sum(axis=0)
+            if l > 0:
+                delta = (delta @ views[2 * l].T) * (acts[l] > 0)
+        return loss, grad
+
+    def grad(self, params, x, y):
+        """Flat gradient of :meth:`loss` (exact backpropagation)."""
+        return self.loss_and_grad(params, x, y)[1]
+
+    def predict(self, params, x, chunk=8192):
+        """Predicted labels, evaluated in chunks of ``chunk`` samples."""
+        n = len(x)
+        out = np.empty(n, dtype=np.int64)
+        for start in range(0, n, chunk):
+            out[start:start + chunk] = self.logits(params, x[start:start + chunk]).argmax(axis=1)
+        return out
+
+
+def make_baseline_model(name, n_features, n_classes, seed=None):
+    """``"lr"`` or ``"dnn"`` model; with ``seed``, returns ``(model, initial params)``.
+
+    ``n_features`` may be an int or a feature shape (it is flattened).
+    """
+    key = str(name).lower()
+    if key not in MODEL_HIDDEN:
+        raise ValueError(f"unknown baseline model {name!r}; choose one of {sorted(MODEL_HIDDEN)}")
+    n_in = int(np.prod(n_features))
+    model = BaselineModel(key, n_in, n_classes, MODEL_HIDDEN[key])
+    if seed is None:
+        return model
+    return model, model.init_params(seed)

@@ -1,0 +1,116 @@
+"""The clock every algorithm is timed by: simulated links, per-round records, the paper's metric.
+
+Compute time is measured by the clients; communication time is simulated
+from the bytes a message carries (:func:`payload_bytes`) over a configured
+bandwidth and latency (:class:`Clock`); idle time is the wait for the slowest
+client of a round. :class:`RoundLog` turns one round's measurements into the
+results record shared by the analytic methods and the baselines, and
+:func:`time_summary` gives the averaged total training time per client. See
+``docs/design.md`` ("Time").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Clock", "RoundLog", "payload_bytes", "time_summary"]
+
+
+def payload_bytes(obj):
+    """Bytes a message carries: the sum of its NumPy buffers (scalars count 8)."""
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, dict):
+        return sum(payload_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_bytes(v) for v in obj)
+    return 8
+
+
+@dataclass(frozen=True)
+class Clock:
+    """Simulated links: time = latency + bytes / bandwidth, per message."""
+
+    bandwidth_bytes_per_s: float = 100e9 / 8  # the paper's 100 Gbit/s InfiniBand
+    latency_s: float = 5e-6
+
+    def transfer(self, nbytes):
+        """Seconds one message of ``nbytes`` takes (0 on an infinite-bandwidth clock: no network)."""
+        if math.isinf(self.bandwidth_bytes_per_s):
+            return 0.0
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+class RoundLog:
+    """Per-client timings of one round, turned into the results record.
+
+    Parameters
+    ----------
+    stage : str
+        ``"initialization"``, ``"federated"`` or ``"personalization"``.
+    position : int or None
+        The trainable layer of the round (None for whole-model rounds).
+    clock : Clock
+    """
+
+    def __init__(self, stage, position, clock):
+        self.stage, self.position, self.clock = stage, position, clock
+        self.compute, self.up, self.down, self.batch, self.measured = {}, {}, {}, {}, {}
+        self.server_s = 0.0
+        self.up_bytes = self.down_bytes = 0
+
+    def arrived(self, cid, compute_s, up_bytes, measured_recv_s=None):
+        """Client ``cid`` finished after ``compute_s`` and uploaded ``up_bytes``."""
+        self.compute[cid] = compute_s
+        self.up[cid] = self.clock.transfer(up_bytes)
+        self.up_bytes += up_bytes
+        if measured_recv_s is not None:  # real receive time of an MPI transport
+            self.measured[cid] = measured_recv_s
+
+    def sent(self, cid, down_bytes):
+        """The server sent ``down_bytes`` to client ``cid``."""
+        self.down[cid] = self.clock.transfer(down_bytes)
+        self.down_bytes += down_bytes
+
+    def record(self, accuracy):
+        """The round's results record (``accuracy`` None when the round was not evaluated)."""
+        arrival = {cid: self.compute[cid] + self.up[cid] for cid in self.compute}
+        latest = max(arrival.values(), default=0.0)
+        clients = {
+            str(cid): {
+                "compute_s": self.compute[cid],
+                "comm_s": self.up[cid] + self.down.get(cid, 0.0),
+                "idle_s": latest - arrival[cid],
+                "arrival_s": arrival[cid],
+                **({"batch_size": self.batch[cid]} if cid in self.batch else {}),
+                **({"mpi_recv_s": self.measured[cid]} if cid in self.measured else {}),
+            }
+            for cid in self.compute
+        }
+        return {
+            "stage": self.stage,
+            "layer": self.position,
+            "accuracy": accuracy,
+            "server_s": self.server_s,
+            "bytes_up": self.up_bytes,
+            "bytes_down": self.down_bytes,
+            "clients": clients,
+        }
+
+
+def time_summary(rounds):
+    """Averaged total training time per client = compute + idle + communication (paper's metric)."""
+    totals = {}
+    for record in rounds:
+        for cid, t in record["clients"].items():
+            acc = totals.setdefault(cid, {"compute_s": 0.0, "idle_s": 0.0, "comm_s": 0.0})
+            for key in acc:
+                acc[key] += t[key]
+    if not totals:
+        return {"compute_s": 0.0, "idle_s": 0.0, "comm_s": 0.0, "total_s": 0.0}
+    mean = {key: float(np.mean([t[key] for t in totals.values()])) for key in ("compute_s", "idle_s", "comm_s")}
+    mean["total_s"] = sum(mean.values())
+    return mean
