@@ -23,6 +23,8 @@ import fastls
 from fedlayer.models import build_model
 from fedlayer.run import RunConfig, load_dataset
 
+from dev_layout import use_shared_data
+
 
 def launch(cmd):
     start = time.perf_counter()
@@ -41,6 +43,7 @@ def main():
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--out", default="docs/results/mpi_scaling.md")
     args = parser.parse_args()
+    use_shared_data()  # the checkout's ../shared/data unless FEDLAYER_DATA_DIR says otherwise
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
         print("mpiexec not found: pip install '.[mpi]'", file=sys.stderr)

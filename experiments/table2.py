@@ -33,6 +33,8 @@ import numpy as np
 import fastls
 from fedlayer.run import RunConfig, load_dataset, run
 
+from dev_layout import use_shared_data
+
 ALGORITHMS = ["fedacnnl", "pfedacnnl-wc", "pfedacnnl-wp", "pfedme", "pfedzo", "pfedacnnl"]
 SETTINGS = ["mnist-dnn", "synthetic-dnn", "mnist-lr", "synthetic-lr"]
 PAPER = {  # Table 2 of the paper, in ALGORITHMS order
@@ -238,6 +240,7 @@ def main(argv=None):
                              "not depend on it, so parallel jobs may pin 1")
     parser.add_argument("--merge", nargs="+", default=[], help="--json files of earlier runs; their cells are kept")
     args = parser.parse_args(argv)
+    use_shared_data()  # the checkout's ../shared/data unless FEDLAYER_DATA_DIR says otherwise
     args.algorithms = list(dict.fromkeys(args.algorithms + args.baselines))
     args.baseline_seeds = args.seeds if args.baseline_seeds is None else args.baseline_seeds
     budget = parse_budget(args.baseline_rounds)

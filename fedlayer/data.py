@@ -38,11 +38,14 @@ import math
 import os
 import pickle
 import tarfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+
+from ._validation import Interval, check_param
 
 __all__ = [
     "ClientData",
@@ -104,6 +107,12 @@ _IDX_DTYPES = {
 }
 
 _GZIP_MAGIC = b"\x1f\x8b"
+
+_POSITIVE_INT = [Interval(int, 1, None)]
+_NON_NEGATIVE_INT = [Interval(int, 0, None)]
+_POSITIVE = [Interval(float, 0, None, closed="neither")]
+_NON_NEGATIVE = [Interval(float, 0, None)]
+_FRACTION = [Interval(float, 0, 1, closed="neither")]
 
 
 # --------------------------------------------------------------------------- #
@@ -198,18 +207,17 @@ def default_data_dirs() -> list[Path]:
         In search order, without duplicates:
 
         1. ``$FEDLAYER_DATA_DIR`` if the variable is set and not empty;
-        2. ``./data`` relative to the current working directory;
-        3. ``shared/data`` beside the project root (the directory containing
-           the repository), where a development checkout keeps its data.
+        2. ``./data`` relative to the current working directory.
 
-        The directories need not exist.
+        The directories need not exist. Where a development checkout keeps
+        its data is for its tests and scripts to say (through the variable),
+        not for the library to guess.
     """
     candidates = []
     from_env = os.environ.get(DATA_DIR_ENV_VAR, "")
     if from_env:
         candidates.append(Path(from_env).expanduser())
     candidates.append(Path.cwd() / "data")
-    candidates.append(Path(__file__).resolve().parents[2] / "shared" / "data")
 
     unique: list[Path] = []
     seen = set()
@@ -278,9 +286,10 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     try:
         with _open_maybe_gzipped(path) as stream:
             content = stream.read()
-    except (OSError, EOFError) as error:
-        # gzip raises these for a damaged or truncated compressed stream.
-        raise ValueError(f"{path}: cannot decompress the IDX file ({error})") from error
+    except (OSError, EOFError, zlib.error) as error:
+        # gzip raises OSError/EOFError for a truncated stream and zlib.error for corrupt compressed data.
+        raise ValueError(f"{path}: cannot decompress the IDX file ({type(error).__name__}: {error}); "
+                         f"download it again") from None
 
     if len(content) < 4:
         raise ValueError(
@@ -497,8 +506,9 @@ def _read_cifar_archive(archive: Path) -> dict[str, bytes]:
                 name = member.name.rsplit("/", 1)[-1]
                 if member.isfile() and name in wanted and name not in contents:
                     contents[name] = tar.extractfile(member).read()
-    except (tarfile.TarError, OSError, EOFError) as error:
-        raise ValueError(f"{archive}: cannot read the CIFAR-10 archive ({error})") from error
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as error:
+        raise ValueError(f"{archive}: cannot read the CIFAR-10 archive ({type(error).__name__}: {error}); "
+                         f"download it again") from None
     missing = sorted(wanted - contents.keys())
     if missing:
         raise ValueError(
@@ -707,12 +717,11 @@ def make_synthetic(
     typically 1e5 to 3.5e5 samples (tens to hundreds of MB), and a single user
     can hold tens of thousands of samples.
     """
-    for value, label in ((alpha, "alpha"), (beta, "beta")):
-        if not (np.isfinite(value) and value >= 0):
-            raise ValueError(f"{label} must be a finite number >= 0, got {value!r}")
-    _check_positive_int(n_users, "n_users")
-    _check_positive_int(dim, "dim")
-    _check_positive_int(n_classes, "n_classes", minimum=2)
+    check_param("alpha", alpha, _NON_NEGATIVE)
+    check_param("beta", beta, _NON_NEGATIVE)
+    check_param("n_users", n_users, _POSITIVE_INT)
+    check_param("dim", dim, _POSITIVE_INT)
+    check_param("n_classes", n_classes, [Interval(int, 2, None)])
 
     rng = np.random.default_rng(seed)
     samples_per_user = (rng.lognormal(4, 2, n_users).astype(np.int64) + 50) * 5
@@ -783,10 +792,10 @@ def dirichlet_partition(
         ``max_retries`` draws all left some client below ``min_samples``.
     """
     labels = _as_label_array(labels, "labels")
-    _check_positive_int(n_clients, "n_clients")
-    _check_beta(beta)
-    _check_positive_int(min_samples, "min_samples", minimum=0)
-    _check_positive_int(max_retries, "max_retries")
+    check_param("n_clients", n_clients, _POSITIVE_INT)
+    check_param("beta (Dirichlet concentration)", beta, _POSITIVE)
+    check_param("min_samples", min_samples, _NON_NEGATIVE_INT)
+    check_param("max_retries", max_retries, _POSITIVE_INT)
     n_samples = labels.shape[0]
     if n_clients * min_samples > n_samples:
         raise ValueError(
@@ -864,7 +873,7 @@ def train_test_split_per_client(
     ValueError
         If ``train_fraction`` is not in (0, 1) or a client has no samples.
     """
-    _check_train_fraction(train_fraction)
+    check_param("train_fraction", train_fraction, _FRACTION)
     rng = np.random.default_rng(seed)
     splits = []
     for client, indices in enumerate(client_indices):
@@ -903,7 +912,9 @@ def load_federated(
     """Build a federated classification task as in the paper's experiments.
 
     * ``"synthetic"``: :func:`make_synthetic` with ``n_users = n_clients``;
-      every user is one client. ``beta`` and ``min_samples`` are not used.
+      every user is one client. ``beta`` is not used; ``min_samples`` is
+      checked (the generator gives every user at least 250 samples), not
+      enforced by redrawing.
     * ``"mnist"``, ``"fashion-mnist"``, ``"cifar10"``: the official training
       and test sets are pooled (70,000 or 60,000 images), partitioned with
       :func:`dirichlet_partition`, and pixels are scaled to [0, 1].
@@ -928,7 +939,8 @@ def load_federated(
     train_fraction : float, default=0.75
         Fraction of each client's samples used for local training, in (0, 1).
     min_samples : int, default=10
-        Minimum samples per client in the Dirichlet partition.
+        Minimum samples per client: the Dirichlet partition is redrawn until
+        every client has that many; for Synthetic, fewer is an error.
     dtype : floating dtype, default=numpy.float64
         dtype of the inputs ``x_train`` / ``x_test``.
     synthetic_alpha, synthetic_beta : float, default=0.5
@@ -952,9 +964,10 @@ def load_federated(
     canonical = str(name).strip().lower()
     if canonical not in KNOWN_DATASETS:
         raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(KNOWN_DATASETS)}")
-    _check_positive_int(n_clients, "n_clients")
-    _check_beta(beta)
-    _check_train_fraction(train_fraction)
+    check_param("n_clients", n_clients, _POSITIVE_INT)
+    check_param("beta (Dirichlet concentration)", beta, _POSITIVE)
+    check_param("train_fraction", train_fraction, _FRACTION)
+    check_param("min_samples", min_samples, _NON_NEGATIVE_INT)
     dtype = np.dtype(dtype)
     if dtype.kind != "f":
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
@@ -967,6 +980,14 @@ def load_federated(
         n_classes, feature_shape = 10, (60,)
         for x, y in users:
             _validate_samples(x, y, n_classes, canonical)
+        sizes = [len(y) for _, y in users]
+        if min(sizes) < min_samples:
+            # The generator fixes every user's sample count; there is no partition to redraw.
+            raise ValueError(
+                f"synthetic: client {int(np.argmin(sizes))} holds {min(sizes)} samples, fewer than "
+                f"min_samples={min_samples}; Synthetic's sample counts come from the generator (at least 250 "
+                f"per client) and are not redrawn: lower --min-samples"
+            )
         splits = train_test_split_per_client(
             [np.arange(len(y)) for _, y in users], train_fraction, seed=split_seed
         )
@@ -1033,7 +1054,7 @@ def one_hot(labels: np.ndarray, n_classes: int, dtype: np.dtype | type = np.floa
         If ``labels`` is not a 1-D integer array or a label is out of range.
     """
     labels = _as_label_array(labels, "labels")
-    _check_positive_int(n_classes, "n_classes")
+    check_param("n_classes", n_classes, _POSITIVE_INT)
     if labels.size and (labels.min() < 0 or labels.max() >= n_classes):
         raise ValueError(
             f"labels must lie in [0, {n_classes}), found range "
@@ -1073,18 +1094,3 @@ def _as_label_array(labels, what: str) -> np.ndarray:
     if labels.size and not np.issubdtype(labels.dtype, np.integer):
         raise ValueError(f"{what} must be integers, got dtype {labels.dtype}")
     return labels.astype(np.int64, copy=False)
-
-
-def _check_positive_int(value, what: str, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}")
-
-
-def _check_beta(beta: float) -> None:
-    if not (isinstance(beta, (int, float, np.number)) and np.isfinite(beta) and beta > 0):
-        raise ValueError(f"beta (Dirichlet concentration) must be a finite number > 0, got {beta!r}")
-
-
-def _check_train_fraction(train_fraction: float) -> None:
-    if not (isinstance(train_fraction, (int, float, np.number)) and 0 < train_fraction < 1):
-        raise ValueError(f"train_fraction must lie strictly between 0 and 1, got {train_fraction!r}")

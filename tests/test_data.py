@@ -226,6 +226,16 @@ def test_read_idx_rejects_truncated_gzip_stream(tmp_path):
         read_idx(path)
 
 
+def test_read_idx_rejects_corrupt_gzip_stream(tmp_path):
+    """Corrupt compressed data (zlib.error inside gzip) is a ValueError naming the file, like a truncated one."""
+    compressed = bytearray(gzip.compress(idx_bytes(np.zeros((50, 28, 28), dtype=np.uint8))))
+    compressed[10] = 0xFF  # the first deflate block header: an invalid block type
+    path = tmp_path / "corrupt.idx.gz"
+    path.write_bytes(bytes(compressed))
+    with pytest.raises(ValueError, match=r"corrupt.idx.gz: cannot decompress the IDX file \(error: .*invalid block"):
+        read_idx(path)
+
+
 def test_read_idx_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.idx"):
         read_idx(tmp_path / "nope.idx")
@@ -261,16 +271,16 @@ def test_load_mnist_files_directly_in_data_dir_and_fashion_variant(tmp_path):
 
 
 def test_default_data_dirs_order(tmp_path, monkeypatch):
-    project_sibling = Path(data_module.__file__).resolve().parents[2] / "shared" / "data"
+    """The library searches the variable and ./data only, never the layout of a development checkout."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("FEDLAYER_DATA_DIR", raising=False)
-    assert default_data_dirs() == [tmp_path / "data", project_sibling]
+    assert default_data_dirs() == [tmp_path / "data"]
 
     monkeypatch.setenv("FEDLAYER_DATA_DIR", "")
-    assert default_data_dirs() == [tmp_path / "data", project_sibling]
+    assert default_data_dirs() == [tmp_path / "data"]
 
     monkeypatch.setenv("FEDLAYER_DATA_DIR", str(tmp_path / "custom"))
-    assert default_data_dirs() == [tmp_path / "custom", tmp_path / "data", project_sibling]
+    assert default_data_dirs() == [tmp_path / "custom", tmp_path / "data"]
 
 
 def test_load_mnist_uses_environment_variable_first(tmp_path, monkeypatch):
@@ -740,6 +750,13 @@ def test_load_federated_rejects_invalid_arguments(kwargs, message):
         load_federated("synthetic", **{"n_clients": 2, **kwargs})
 
 
+def test_synthetic_checks_min_samples_instead_of_ignoring_it():
+    """Synthetic's counts are fixed by the generator (>= 250 per user): too high a minimum is refused, not ignored."""
+    assert load_federated("synthetic", n_clients=3, min_samples=250).n_clients == 3
+    with pytest.raises(ValueError, match=r"synthetic: client \d+ holds \d+ samples, fewer than min_samples=100000"):
+        load_federated("synthetic", n_clients=3, min_samples=100000)
+
+
 def test_load_federated_rejects_nan_in_loaded_data(monkeypatch):
     x = np.zeros((8, 60))
     x[3, 5] = np.nan
@@ -771,7 +788,7 @@ def real_mnist():
     try:
         return load_mnist()
     except FileNotFoundError as error:
-        pytest.skip(f"real MNIST files not found (set FEDLAYER_DATA_DIR to enable): {error}")
+        pytest.skip(f"real MNIST files not found (set FEDLAYER_DATA_DIR to enable). {error}")
 
 
 @pytest.fixture(scope="module")
@@ -779,7 +796,7 @@ def real_cifar10():
     try:
         return load_cifar10()
     except FileNotFoundError as error:
-        pytest.skip(f"real CIFAR-10 files not found (set FEDLAYER_DATA_DIR to enable): {error}")
+        pytest.skip(f"real CIFAR-10 files not found (set FEDLAYER_DATA_DIR to enable). {error}")
 
 
 def test_real_mnist(real_mnist):

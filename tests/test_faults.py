@@ -1,0 +1,241 @@
+"""Faults a user or a hostile tester can cause: exit status 2, one message naming what was wrong, no traceback.
+
+Every case runs ``fedlayer`` as a user would (``main`` in process, or
+``python -m fedlayer`` where the exit path matters) and checks the status,
+the words of the message, and that no work was started or lost.
+"""
+
+import importlib
+import io
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+
+from fedlayer.cli import main
+
+# The module, not the function fedlayer exports under the same name.
+run_module = importlib.import_module("fedlayer.run")
+
+SMALL = ["--clients", "12", "--groups", "3", "--quiet"]
+
+
+def fedlayer(argv, capsys):
+    """(exit status, stderr) of ``fedlayer argv``, whether main returns the status or argparse exits with it."""
+    try:
+        status = main(argv)
+    except SystemExit as exit_info:
+        status = exit_info.code
+    return status, capsys.readouterr().err
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Fail the test if a run gets as far as loading its data (the error had to come first)."""
+
+    def refuse(config):
+        raise AssertionError("the run started loading data before refusing its arguments")
+
+    monkeypatch.setattr(run_module, "load_dataset", refuse)
+
+
+# --------------------------------------------------------------------------- #
+# Output and checkpoint paths, refused before any work
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("algorithm", ["fedacnnl", "fedavg"])
+def test_output_naming_a_file_is_refused_before_training(tmp_path, capsys, no_training, algorithm):
+    existing = tmp_path / "results.txt"
+    existing.write_text("keep me")
+    status, err = fedlayer(["run", *SMALL, "--algorithm", algorithm, "--output", str(existing)], capsys)
+    assert status == 2
+    assert f"output '{existing}' is a file; give a directory" in err
+    assert existing.read_text() == "keep me"
+
+
+def test_output_below_a_file_is_not_writable(tmp_path, capsys, no_training):
+    (tmp_path / "file").write_text("")
+    status, err = fedlayer(["run", *SMALL, "--output", str(tmp_path / "file" / "run")], capsys)
+    assert status == 2
+    assert f"output directory '{tmp_path / 'file' / 'run'}' is not writable" in err
+
+
+def _sys_is_read_only():
+    try:
+        os.mkdir("/sys/fedlayer-probe")
+    except OSError:
+        return os.path.isdir("/sys")
+    os.rmdir("/sys/fedlayer-probe")
+    return False
+
+
+@pytest.mark.skipif(not _sys_is_read_only(),
+                    reason="needs a directory no one may write into (Linux's /sys, even for root); not found here")
+def test_output_in_a_read_only_folder_is_not_writable(capsys, no_training):
+    status, err = fedlayer(["run", *SMALL, "--output", "/sys/fedlayer-run"], capsys)
+    assert status == 2
+    assert "output directory '/sys/fedlayer-run' is not writable" in err
+
+
+def test_checkpoint_naming_a_folder_is_refused(tmp_path, capsys, no_training):
+    status, err = fedlayer(["run", *SMALL, "--checkpoint", str(tmp_path)], capsys)
+    assert status == 2
+    assert f"checkpoint '{tmp_path}' is a directory; give a file path" in err
+
+
+# --------------------------------------------------------------------------- #
+# Resuming from a damaged or foreign checkpoint
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture(scope="module")
+def finished_checkpoint(tmp_path_factory):
+    """The bytes of a real checkpoint (fedacnnl, LR: one layer) and the flags that wrote it."""
+    out = tmp_path_factory.mktemp("checkpointed")
+    flags = ["--algorithm", "fedacnnl", "--model", "lr", "--clients", "6", "--quiet"]
+    assert main(["run", *flags, "--output", str(out)]) == 0
+    return (out / "checkpoint.npz").read_bytes(), flags
+
+
+def _flip_in_weights(content):
+    """``content`` with one bit flipped inside the stored weights (not in the zip directory)."""
+    data = bytearray(content)
+    with zipfile.ZipFile(io.BytesIO(content)) as archive:
+        info = archive.getinfo("w_0_0.npy")
+    offset = info.header_offset + 30 + len(info.filename) + len(info.extra) + 200
+    data[offset] ^= 0x01
+    return bytes(data)
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda content: b"", "cannot be read"),
+    (lambda content: content[: len(content) // 2], "cannot be read"),
+    (_flip_in_weights, "cannot be read|is damaged"),
+])
+def test_resume_from_a_damaged_checkpoint_says_how_to_start_over(tmp_path, capsys, finished_checkpoint,
+                                                                 damage, message):
+    content, flags = finished_checkpoint
+    checkpoint = tmp_path / "checkpoint.npz"
+    checkpoint.write_bytes(damage(content))
+    status, err = fedlayer(["run", *flags, "--output", str(tmp_path), "--resume"], capsys)
+    assert status == 2
+    assert f"checkpoint {checkpoint}" in err
+    assert any(word in err for word in message.split("|"))
+    assert f"remove {checkpoint} to start over" in err
+    assert "Traceback" not in err
+
+
+def test_resume_from_a_foreign_file_says_what_it_is(tmp_path, capsys, finished_checkpoint):
+    _, flags = finished_checkpoint
+    np.savez(tmp_path / "checkpoint.npz", weights=np.ones(3))
+    status, err = fedlayer(["run", *flags, "--output", str(tmp_path), "--resume"], capsys)
+    assert status == 2
+    assert "is not a fedlayer checkpoint (it holds ['weights'])" in err
+
+
+def test_resume_error_leaves_no_traceback_on_the_console(tmp_path, finished_checkpoint):
+    """The installed entry point's path: exit status 2, one line on stderr."""
+    _, flags = finished_checkpoint
+    (tmp_path / "checkpoint.npz").write_bytes(b"")
+    done = subprocess.run([sys.executable, "-m", "fedlayer", "run", *flags, "--output", str(tmp_path), "--resume"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.startswith("fedlayer run: error: checkpoint") and "Traceback" not in done.stderr
+
+
+# --------------------------------------------------------------------------- #
+# Values of the wrong type or range, from flags and config files
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--latency-ms", "nan"], "argument --latency-ms: must be a finite number >= 0, got 'nan'"),
+    (["--seed", "-1"], "argument --seed: must be an int >= 0, got '-1'"),
+    (["--seed", "1.5"], "argument --seed: must be an int >= 0, got '1.5'"),
+    (["--cores", "a,b"], "argument --cores: must be a list of 1 or more values, each an int >= 1, got 'a,b'"),
+    (["--cores", "2,0"], "argument --cores: must be a list of 1 or more values, each an int >= 1, got '2,0'"),
+    (["--mpi-deadline", "0"], "argument --mpi-deadline: must be a finite number > 0, got '0'"),
+    (["--mpi-deadline", "-5"], "argument --mpi-deadline: must be a finite number > 0, got '-5'"),
+    (["--mpi-deadline", "nan"], "argument --mpi-deadline: must be a finite number > 0, got 'nan'"),
+    (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+    (["--min-samples", "100000"], "fewer than min_samples=100000"),
+])
+def test_bad_flag_values_name_the_flag(argv, message, capsys):
+    status, err = fedlayer(["run", *SMALL, *argv], capsys)
+    assert status == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("content,message", [
+    ("[1]", "expected a JSON object of RunConfig keys, got list"),
+    ('{"latency_ms": "1"}', "latency_ms must be a finite number >= 0, got '1'"),
+    ('{"seed": 1.5}', "seed must be an int >= 0, got 1.5"),
+    ('{"resume": "no", "output": "x"}', "resume must be true or false, got 'no'"),
+    ('{"clients": true}', "clients must be an int >= 1, got True"),
+    ('{"cores": [1, "2"]}', "cores must be None or a list of 1 or more values, each an int >= 1, got [1, '2']"),
+    ('{"hyper": [1]}', "hyper must be None or a dict of hyperparameter names to numbers, got [1]"),
+    ('{"seed": 1,}', "not valid JSON"),
+])
+def test_config_values_of_the_wrong_type_name_the_file_and_key(tmp_path, capsys, no_training, content, message):
+    config = tmp_path / "run.json"
+    config.write_text(content)
+    status, err = fedlayer(["run", "--config", str(config), "--quiet"], capsys)
+    assert status == 2
+    assert f"config {config}: " in err and message in err
+
+
+def test_missing_config_file_is_named(tmp_path, capsys):
+    status, err = fedlayer(["run", "--config", str(tmp_path / "absent.json")], capsys)
+    assert status == 2
+    assert f"config {tmp_path / 'absent.json'}: cannot read it" in err
+
+
+# --------------------------------------------------------------------------- #
+# fedlayer predict: the split saved with the model
+# --------------------------------------------------------------------------- #
+
+
+def _predicted(argv, capsys):
+    capsys.readouterr()
+    assert main(["predict", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_predict_uses_the_split_saved_with_the_model(tmp_path, capsys):
+    out = tmp_path / "fed"
+    flags = ["--clients", "9", "--seed", "3", "--train-fraction", "0.6", "--model", "lr"]
+    assert main(["run", "--algorithm", "fedacnnl", *flags, "--output", str(out), "--quiet"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    report = _predicted([str(out / "model.npz")], capsys)
+    assert report["split"]["clients"] == 9 and report["split"]["seed"] == 3
+    assert report["split"]["train_fraction"] == 0.6
+    assert report["accuracy"] == pytest.approx(results["accuracy"], abs=1e-12)
+    # A global model may be scored on another split; the report says which.
+    other = _predicted([str(out / "model.npz"), "--seed", "4"], capsys)
+    assert other["split"]["seed"] == 4
+
+
+def test_group_and_personalized_models_recompute_the_run_accuracy(tmp_path, capsys):
+    out = tmp_path / "pfed"
+    assert main(["run", "--algorithm", "pfedacnnl", *SMALL, "--model", "lr", "--output", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    personalized = sorted(p.name for p in (out / "personalized").glob("*.npz"))
+    assert personalized == sorted(f"client{cid}.npz" for cid in range(12))
+    report = _predicted([str(out / "personalized")], capsys)
+    assert report["accuracy"] == pytest.approx(results["accuracy"], abs=1e-12)
+    assert sum(m["clients"] for m in report["models"]) == 12
+
+    # The group models, each on its own group's clients: the accuracy after the federated stage.
+    federated = [r for r in results["rounds"].values() if r["stage"] == "federated"][-1]
+    report = _predicted([str(out)], capsys)
+    assert report["accuracy"] == pytest.approx(federated["accuracy"], abs=1e-12)
+
+    status, err = fedlayer(["predict", str(out / "model_group0.npz"), "--clients", "20"], capsys)
+    assert status == 2
+    assert "model_group0.npz was trained for" in err and "omit --clients" in err
