@@ -7,8 +7,10 @@ threadpoolctl.
 """
 
 from ._core import (
+    ConvStats,
     conv_gram_update,
     conv_output_shape,
+    conv_stats_cost,
     cross_update,
     gram_update,
     im2col,
@@ -27,6 +29,8 @@ __all__ = [
     "im2col",
     "conv_output_shape",
     "conv_gram_update",
+    "ConvStats",
+    "conv_stats_cost",
     "ridge_solve",
     "proximal_solve",
     "limit_cores",

@@ -458,3 +458,241 @@ def all_finite(const floating[:, :] A):
             if not ok:
                 break
     return ok
+
+
+# ---------------------------------------------------------------------------
+# Convolution statistics from the overlap of patches (stride 1)
+# ---------------------------------------------------------------------------
+#
+# For a stride-1 k x k convolution, block (a, b) of P^T P (kernel offsets a, b)
+# is sum over q in window(a) of x[q]^T x[q + b - a]: a channel correlation at
+# the displacement b - a. The planner in _core.py splits the padded map into
+# bands so that every window is a union of cells, groups the cells of each
+# displacement that belong to the same set of windows, and lists the blocks
+# each group adds into. Here every group is one gather of its rows from the
+# images, one BLAS product and one fold into each of its blocks.
+
+cdef void _pixel_run(const floating[:, :, :, ::1] images, Py_ssize_t img,
+                     Py_ssize_t py, Py_ssize_t px, Py_ssize_t n_px,
+                     Py_ssize_t ph, Py_ssize_t pw, floating *dst) noexcept nogil:
+    """dst = pixels (py, px .. px + n_px) of the zero-padded image, C values each."""
+    cdef Py_ssize_t H = images.shape[1], W = images.shape[2], c = images.shape[3]
+    cdef Py_ssize_t iy = py - ph, ix = px - pw, lo, hi
+    if iy < 0 or iy >= H:
+        memset(dst, 0, n_px * c * sizeof(floating))
+        return
+    lo = max(0, -ix)
+    hi = min(n_px, W - ix)
+    if lo > 0 or hi < n_px:
+        memset(dst, 0, n_px * c * sizeof(floating))
+    if hi > lo:
+        memcpy(dst + lo * c, &images[img, iy, ix + lo, 0], (hi - lo) * c * sizeof(floating))
+
+
+cdef Py_ssize_t _gather(const floating[:, :, :, ::1] images, Py_ssize_t img0,
+                        Py_ssize_t n_img, const int[:, ::1] cells,
+                        Py_ssize_t cell0, Py_ssize_t cell1, Py_ssize_t dy,
+                        Py_ssize_t dx, Py_ssize_t ph, Py_ssize_t pw,
+                        floating *dst) noexcept nogil:
+    """Rows (image, cell, y, x) of the cells shifted by (dy, dx); returns the row count."""
+    cdef Py_ssize_t c = images.shape[3], rows = 0, b, cell, y, n_px
+    for b in range(img0, img0 + n_img):
+        for cell in range(cell0, cell1):
+            n_px = cells[cell, 3] - cells[cell, 2]
+            for y in range(cells[cell, 0], cells[cell, 1]):
+                _pixel_run(images, b, y + dy, cells[cell, 2] + dx, n_px, ph, pw,
+                           dst + rows * c)
+                rows += n_px
+    return rows
+
+
+cdef void _fold(floating *S, bint rowmajor, Py_ssize_t c, floating *G,
+                double *G64, Py_ssize_t ldg, Py_ssize_t r0, Py_ssize_t c0,
+                bint upper_only) noexcept nogil:
+    """G[r0:r0+c, c0:c0+c] += S (S c x c stored in G's layout; upper part only on request)."""
+    cdef Py_ssize_t i, j, j0
+    cdef floating *src
+    cdef floating *dst
+    cdef double *dst64
+    # In G's layout, "outer" runs over rows (row-major) or columns (Fortran)
+    # and the inner loop is contiguous in both S and G.
+    for i in range(c):
+        src = S + i * c
+        if rowmajor:
+            j0 = i if upper_only else 0
+            if G64 != NULL:
+                dst64 = G64 + (r0 + i) * ldg + c0
+                for j in range(j0, c):
+                    dst64[j] += src[j]
+            else:
+                dst = G + (r0 + i) * ldg + c0
+                for j in range(j0, c):
+                    dst[j] += src[j]
+        else:
+            j0 = i + 1 if upper_only else c
+            if G64 != NULL:
+                dst64 = G64 + r0 + (c0 + i) * ldg
+                for j in range(j0):
+                    dst64[j] += src[j]
+            else:
+                dst = G + r0 + (c0 + i) * ldg
+                for j in range(j0):
+                    dst[j] += src[j]
+
+
+cdef void _window_sums(const floating[:, :, :, ::1] images, Py_ssize_t img,
+                       Py_ssize_t kh, Py_ssize_t kw, Py_ssize_t ph,
+                       Py_ssize_t pw, Py_ssize_t out_h, Py_ssize_t out_w,
+                       bint append_ones, floating *dst) noexcept nogil:
+    """dst = sum of the patch rows of one image (stride 1): window sums per kernel offset."""
+    cdef Py_ssize_t H = images.shape[1], W = images.shape[2], c = images.shape[3]
+    cdef Py_ssize_t ay, ax, y, x, ch, iy, x_lo, x_hi
+    cdef floating *out
+    cdef const floating *px
+    memset(dst, 0, kh * kw * c * sizeof(floating))
+    for ay in range(kh):
+        for ax in range(kw):
+            out = dst + (ay * kw + ax) * c
+            # Window rows [ay, ay + out_h) in padded coordinates, clipped to the image.
+            x_lo = max(0, ax - pw)
+            x_hi = min(W, ax - pw + out_w)
+            for y in range(ay, ay + out_h):
+                iy = y - ph
+                if iy < 0 or iy >= H:
+                    continue
+                for x in range(x_lo, x_hi):
+                    px = &images[img, iy, x, 0]
+                    for ch in range(c):
+                        out[ch] += px[ch]
+    if append_ones:
+        dst[kh * kw * c] = out_h * out_w
+
+
+cdef void _fold_group(floating *acc, Py_ssize_t c, const int[:, ::1] groups,
+                      const int[:, ::1] blocks, Py_ssize_t g, bint rowmajor,
+                      floating *G, double *G64, Py_ssize_t ldg) noexcept nogil:
+    """Add group g's product into each of its blocks of G, then zero it."""
+    cdef Py_ssize_t blk
+    cdef bint diagonal = groups[g, 0] == 0 and groups[g, 1] == 0
+    for blk in range(groups[g, 4], groups[g, 5]):
+        _fold(acc, rowmajor, c, G, G64, ldg, blocks[blk, 0] * c, blocks[blk, 1] * c, diagonal)
+    memset(acc, 0, c * c * sizeof(floating))
+
+
+cdef inline void _pointers(object G_out, bint mixed, floating **G, double **G64):
+    """Raw pointer to G_out: *G64 on the float32-into-float64 path, else *G."""
+    cdef floating[:, :] view
+    cdef double[:, :] view64
+    if mixed:
+        view64 = G_out
+        G64[0] = &view64[0, 0]
+    else:
+        view = G_out
+        G[0] = &view[0, 0]
+
+
+def overlap_accumulate(floating[:, :, ::1] acc, Py_ssize_t[::1] pending,
+                       bint g_rowmajor, int ldg,
+                       const floating[:, :, :, ::1] images,
+                       const floating[:, ::1] targets,
+                       const int[:, ::1] groups, const int[:, ::1] cells,
+                       const int[:, ::1] blocks,
+                       floating[::1] buf_a, floating[::1] buf_b,
+                       floating[:, ::1] sums, object G_out, object C_out,
+                       bint c_rowmajor, int ldc,
+                       Py_ssize_t kh, Py_ssize_t kw, Py_ssize_t ph,
+                       Py_ssize_t pw, Py_ssize_t out_h, Py_ssize_t out_w,
+                       bint append_ones, Py_ssize_t chunk,
+                       bint mixed, Py_ssize_t block_rows):
+    """acc[g] += displacement product of group g; G's bias column and C directly.
+
+    ``groups`` rows are (dy, dx, first cell, end cell, first block, end
+    block); ``cells`` rows (y0, y1, x0, x1) in padded coordinates; ``blocks``
+    rows (a, b) kernel-offset indices with b after a. ``acc[g]`` (c x c, in
+    G's layout) collects group g's product across calls, so the blocks of G
+    are touched once per :func:`overlap_fold`, not once per call. On the
+    float32-into-float64 path (G_out, C_out float64) a group is folded into
+    G whenever it has summed ``block_rows`` rows in float32 (``pending``).
+    """
+    cdef Py_ssize_t c = images.shape[3], n = images.shape[0], d = sums.shape[1]
+    cdef Py_ssize_t m = targets.shape[1], n_groups = groups.shape[0]
+    cdef Py_ssize_t img0, n_img, g, rows, r0, kb, j, b
+    cdef Py_ssize_t dy, dx
+    cdef bint diagonal
+    cdef floating *G = NULL
+    cdef floating *C = NULL
+    cdef double *G64 = NULL
+    cdef double *C64 = NULL
+    cdef floating *sa = &buf_a[0]
+    cdef floating *sb = &buf_b[0]
+    cdef floating *a_g
+    cdef float *tile_buf = NULL
+    _pointers(G_out, mixed, &G, &G64)
+    _pointers(C_out, mixed, &C, &C64)
+    if mixed:
+        tile_buf = <float *>malloc(max(1, min(d, 2048) * min(m, 2048)) * sizeof(float))
+        if tile_buf == NULL:
+            raise MemoryError("cannot allocate the float32 tile")
+    try:
+        with nogil:
+            img0 = 0
+            while img0 < n:
+                n_img = min(chunk, n - img0)
+                for g in range(n_groups):
+                    dy = groups[g, 0]
+                    dx = groups[g, 1]
+                    diagonal = dy == 0 and dx == 0
+                    a_g = &acc[g, 0, 0]
+                    rows = _gather(images, img0, n_img, cells, groups[g, 2], groups[g, 3],
+                                   0, 0, ph, pw, sa)
+                    if not diagonal:
+                        _gather(images, img0, n_img, cells, groups[g, 2], groups[g, 3],
+                                dy, dx, ph, pw, sb)
+                    r0 = 0
+                    while r0 < rows:
+                        kb = rows - r0
+                        if mixed:
+                            kb = min(kb, block_rows - pending[g])
+                        # acc[g] in G's layout: a row-major product is the Fortran transpose.
+                        if diagonal:
+                            _syrk_tn(sa + r0 * c, True, <int>c, <int>kb, <int>c,
+                                     <floating>1.0, a_g, g_rowmajor, <int>c)
+                        else:
+                            _gemm_tn(sa + r0 * c, True, <int>c, sb + r0 * c, True, <int>c,
+                                     <int>kb, <int>c, <int>c, <floating>1.0, a_g, g_rowmajor, <int>c)
+                        pending[g] += kb
+                        if mixed and pending[g] >= block_rows:
+                            _fold_group(a_g, c, groups, blocks, g, g_rowmajor, G, G64, ldg)
+                            pending[g] = 0
+                        r0 += kb
+                # Per-image patch sums: the bias column of G and the cross term.
+                for b in range(n_img):
+                    _window_sums(images, img0 + b, kh, kw, ph, pw, out_h, out_w,
+                                 append_ones, &sums[b, 0])
+                if append_ones:
+                    for b in range(n_img):
+                        for j in range(d):
+                            if mixed:
+                                G64[(d - 1) * ldg + j if not g_rowmajor else j * ldg + d - 1] += sums[b, j]
+                            else:
+                                G[(d - 1) * ldg + j if not g_rowmajor else j * ldg + d - 1] += sums[b, j]
+                _flush_sums(C, c_rowmajor, ldc, C64, targets, sums, img0, n_img,
+                            block_rows, 2048, tile_buf)
+                img0 += n_img
+    finally:
+        free(tile_buf)
+
+
+def overlap_fold(floating[:, :, ::1] acc, Py_ssize_t[::1] pending,
+                 const int[:, ::1] groups, const int[:, ::1] blocks,
+                 object G_out, bint g_rowmajor, int ldg, bint mixed):
+    """Fold every group with pending rows into its blocks of G, and zero it."""
+    cdef Py_ssize_t g, c = acc.shape[1]
+    cdef floating *G = NULL
+    cdef double *G64 = NULL
+    _pointers(G_out, mixed, &G, &G64)
+    with nogil:
+        for g in range(groups.shape[0]):
+            if pending[g] > 0:
+                _fold_group(&acc[g, 0, 0], c, groups, blocks, g, g_rowmajor, G, G64, ldg)
+                pending[g] = 0

@@ -1,0 +1,172 @@
+"""Convolution statistics from the overlap of patches against im2col in float64."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastls
+from fastls._core import _overlap_plan
+from numeric_checks import assert_close
+
+
+def reference(images, targets, kernel_size, padding, append_ones):
+    """(P^T P, P^T T) in float64 through fastls.im2col (itself checked against a loop reference)."""
+    P = fastls.im2col(images.astype(np.float64), kernel_size, padding=padding, append_ones=append_ones)
+    per_image = P.shape[0] // images.shape[0]
+    T = np.repeat(targets.astype(np.float64), per_image, axis=0)
+    return P.T @ P, P.T @ T
+
+
+def relative_error(actual, expected):
+    upper = np.triu_indices(expected.shape[0]) if expected.shape[0] == expected.shape[1] else np.s_[:]
+    return np.abs(np.asarray(actual, np.float64)[upper] - expected[upper]).max() / np.abs(expected).max()
+
+
+geometry = st.tuples(
+    st.integers(1, 6),                       # batch
+    st.integers(1, 9), st.integers(1, 9),    # kernel height, width
+    st.integers(0, 6), st.integers(0, 6),    # extra rows, columns beyond the kernel
+    st.integers(0, 2), st.integers(0, 2),    # padding
+    st.integers(1, 7),                       # channels
+    st.booleans(),                           # bias column
+    st.sampled_from(["C", "F"]),             # G layout
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(geometry, st.integers(0, 2**31 - 1))
+def test_overlap_equals_im2col_float64(shape, seed):
+    B, kh, kw, extra_h, extra_w, ph, pw, channels, bias, order = shape
+    H, W = max(1, kh + extra_h - 2 * ph), max(1, kw + extra_w - 2 * pw)
+    if H + 2 * ph < kh or W + 2 * pw < kw:
+        return
+    rng = np.random.default_rng(seed)
+    images = rng.standard_normal((B, H, W, channels))
+    targets = rng.standard_normal((B, 3))
+    G_ref, C_ref = reference(images, targets, (kh, kw), (ph, pw), bias)
+    d = G_ref.shape[0]
+    G0 = np.asarray(rng.standard_normal((d, d)), order=order)
+    C0 = rng.standard_normal((d, 3))
+    G, C = G0.copy(order=order), C0.copy()
+    fastls.conv_gram_update(G, C, images, targets, (kh, kw), padding=(ph, pw), append_ones=bias, method="overlap")
+    assert relative_error(G - G0, G_ref) <= 1e-12
+    assert relative_error(C - C0, C_ref) <= 1e-12
+    # The strict lower triangle is never written.
+    np.testing.assert_array_equal(np.tril(G, -1), np.tril(G0, -1))
+
+
+@pytest.mark.parametrize("g_dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("block_rows", [3, 4096])
+def test_overlap_float32_images(rng, g_dtype, block_rows):
+    images = rng.standard_normal((7, 8, 6, 5)).astype(np.float32)
+    targets = rng.standard_normal((7, 4)).astype(np.float32)
+    G_ref, C_ref = reference(images, targets, 3, 1, True)
+    d = G_ref.shape[0]
+    G, C = np.zeros((d, d), g_dtype), np.zeros((d, 4), g_dtype)
+    fastls.conv_gram_update(G, C, images, targets, 3, padding=1, append_ones=True, method="overlap",
+                            block_rows=block_rows)
+    # float32 products: the float32 tolerance over at most one image's worth of rows per term.
+    n_terms = 7 * 8 * 6 if g_dtype == np.float32 else min(block_rows, 7 * 8 * 6)
+    assert_close(np.triu(G), np.triu(G_ref), np.float32, n_terms)
+    assert_close(C, C_ref, np.float32, n_terms)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_batches_through_conv_stats_equal_one_call(rng, dtype):
+    images = rng.standard_normal((11, 7, 7, 4)).astype(dtype)
+    targets = rng.standard_normal((11, 2)).astype(dtype)
+    d = 9 * 4 + 1
+    G1, C1 = np.zeros((d, d)), np.zeros((d, 2))
+    fastls.conv_gram_update(G1, C1, images, targets, 3, append_ones=True, method="overlap")
+    G2, C2 = np.zeros((d, d)), np.zeros((d, 2))
+    with fastls.ConvStats(G2, C2, (7, 7, 4), 3, append_ones=True, method="overlap", block_rows=10) as stats:
+        for start, stop in [(0, 1), (1, 5), (5, 11)]:
+            stats.update(images[start:stop], targets[start:stop])
+    assert_close(np.triu(G2), np.triu(G1), dtype, 11 * 25)
+    assert_close(C2, C1, dtype, 11 * 25)
+
+
+def test_small_scratch_takes_one_image_at_a_time(rng):
+    images, targets = rng.standard_normal((5, 6, 6, 3)), rng.standard_normal((5, 2))
+    G_ref, C_ref = reference(images, targets, 3, 0, True)
+    d = G_ref.shape[0]
+    with pytest.raises(ValueError, match="need at least") as err:
+        fastls.conv_gram_update(np.zeros((d, d)), np.zeros((d, 2)), images, targets, 3, append_ones=True,
+                                method="overlap", scratch_bytes=64)
+    need = int(str(err.value).rsplit(" ", 1)[-1])
+    G, C = np.zeros((d, d)), np.zeros((d, 2))
+    fastls.conv_gram_update(G, C, images, targets, 3, append_ones=True, method="overlap", scratch_bytes=need)
+    assert relative_error(G, G_ref) <= 1e-12 and relative_error(C, C_ref) <= 1e-12
+    with pytest.raises(ValueError, match="need at least"):
+        fastls.conv_gram_update(G, C, images, targets, 3, append_ones=True, method="overlap",
+                                scratch_bytes=need - 1)
+
+
+@pytest.mark.parametrize("side,channels,kernel", [(14, 512, 3), (6, 1024, 3), (4, 2048, 3), (32, 3, 5)])
+def test_cost_model_of_the_paper_layers(side, channels, kernel):
+    im2col, overlap = fastls.conv_stats_cost((side, side, channels), kernel)
+    out = side - kernel + 1
+    assert im2col == out * out * (kernel * kernel * channels) ** 2 / 2
+    # Sum over the displacements of the area their products cover (the diagonal at half cost).
+    areas = sum((side - dy) * (side - abs(dx)) for dy in range(kernel) for dx in range(-kernel + 1, kernel)
+                if dy > 0 or dx > 0) + side * side / 2
+    assert overlap == pytest.approx(areas * channels ** 2)
+
+
+def test_auto_picks_overlap_where_it_pays():
+    for shape, expected in [((14, 14, 512), "overlap"), ((6, 6, 1024), "overlap"), ((4, 4, 2048), "overlap"),
+                            ((32, 32, 3), "im2col"), ((14, 14, 8), "im2col")]:
+        assert fastls._core._pick_conv_method("auto", shape, (3, 3), (1, 1), (0, 0), True) == expected
+    assert fastls._core._pick_conv_method("auto", (14, 14, 512), (3, 3), (2, 2), (0, 0), True) == "im2col"
+    assert fastls._core._pick_conv_method("auto", (14, 14, 512), (3, 3), (1, 1), (0, 0), False) == "im2col"
+
+
+def test_overlap_refuses_what_it_cannot_do(rng):
+    G, C = np.zeros((37, 37)), np.zeros((37, 2))
+    images = rng.standard_normal((2, 7, 7, 4))
+    with pytest.raises(ValueError, match="stride 1 and per-image targets"):
+        fastls.conv_gram_update(G, C, images, rng.standard_normal((2, 2)), 3, stride=2, append_ones=True,
+                                method="overlap")
+    with pytest.raises(ValueError, match="stride 1 and per-image targets"):
+        fastls.conv_gram_update(G, C, images, rng.standard_normal((2, 5, 5, 2)), 3, append_ones=True,
+                                method="overlap")
+    with pytest.raises(ValueError, match="method must be one of"):
+        fastls.conv_gram_update(G, C, images, rng.standard_normal((2, 2)), 3, append_ones=True, method="fft")
+    np.testing.assert_array_equal(G, 0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_refused_batch_leaves_running_statistics_untouched(rng, bad):
+    images, targets = rng.standard_normal((3, 6, 6, 4)), rng.standard_normal((3, 2))
+    d = 37
+    G, C = np.zeros((d, d)), np.zeros((d, 2))
+    stats = fastls.ConvStats(G, C, (6, 6, 4), 3, append_ones=True, method="overlap")
+    stats.update(images[:2], targets[:2])
+    broken = images[2:].copy()
+    broken[0, 3, 1, 2] = bad
+    with pytest.raises(ValueError, match="images contains NaN or Inf"):
+        stats.update(broken, targets[2:])
+    with pytest.raises(ValueError, match=r"images must have shape \(B, 6, 6, 4\)"):
+        stats.update(images[:, :5], targets)
+    with pytest.raises(TypeError, match="keep the dtype of the first batch"):
+        stats.update(images.astype(np.float32), targets.astype(np.float32))
+    stats.finish()
+    G_ref, C_ref = reference(images[:2], targets[:2], 3, 0, True)
+    assert relative_error(G, G_ref) <= 1e-12 and relative_error(C, C_ref) <= 1e-12
+
+
+def test_plan_covers_every_block_once_per_cell():
+    # Each block (a, b) of the patch Gram must receive exactly the cells of window(a).
+    for kh, kw, out_h, out_w in [(3, 3, 12, 12), (3, 3, 2, 2), (5, 5, 28, 28), (2, 4, 1, 3)]:
+        groups, cells, blocks, _, _ = _overlap_plan(kh, kw, out_h, out_w)
+        covered = {}
+        for dy, dx, c0, c1, b0, b1 in groups:
+            area = sum((y1 - y0) * (x1 - x0) for y0, y1, x0, x1 in cells[c0:c1])
+            for a, b in blocks[b0:b1]:
+                assert b - a == dy * kw + dx
+                covered[(a, b)] = covered.get((a, b), 0) + area
+        for a in range(kh * kw):
+            for b in range(a, kh * kw):
+                dy, dx = b // kw - a // kw, b % kw - a % kw
+                assert covered.get((a, b)) == out_h * out_w, (kh, kw, a, b, dy, dx)
