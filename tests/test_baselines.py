@@ -15,6 +15,7 @@ from fedlayer.baselines import (
 from fedlayer.data import ClientData
 from fedlayer.timing import Clock, time_summary
 from fedlayer.transport import InProcessTransport
+from numeric_checks import assert_close
 
 N_FEATURES, N_CLASSES = 10, 3
 
@@ -129,7 +130,7 @@ def test_baffle_stein_estimator_approaches_gradient_and_clips():
     clipped = stein_gradient(f, w, 50, 1e-4, np.random.default_rng(0), clip=0.3)
     assert np.abs(raw).max() > 0.3  # the test exercises the clipping
     assert np.abs(clipped).max() <= 0.3
-    np.testing.assert_allclose(clipped, np.clip(raw, -0.3, 0.3))
+    assert_close(clipped, np.clip(raw, -0.3, 0.3), np.float64)
 
 
 # --------------------------------------------------------------------------- #
@@ -202,7 +203,7 @@ def test_pfedme_beta_mixes_global_model():
     hyper = dict(lr=0.05, personal_lr=0.05, lamda=15.0, K=2, batch_size=8, local_epochs=2)
     full = run_baseline(transport_for(data), "pfedme", 1, clock=Clock(), beta=1.0, **hyper)["params"]
     half = run_baseline(transport_for(data), "pfedme", 1, clock=Clock(), beta=0.5, **hyper)["params"]
-    np.testing.assert_allclose(half, 0.5 * p0 + 0.5 * full, rtol=1e-12, atol=1e-14)
+    assert_close(half, 0.5 * p0 + 0.5 * full, np.float64)
 
 
 def test_pfedzo_runs_and_decreases_loss():

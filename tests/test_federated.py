@@ -14,6 +14,7 @@ from fedlayer.federated import VARIANTS, Variant, adaptive_batch_sizes, run_prot
 from fedlayer.models import build_model
 from fedlayer.timing import Clock, time_summary
 from fedlayer.transport import InProcessTransport
+from numeric_checks import assert_close
 
 N_CLASSES = 4
 
@@ -44,10 +45,6 @@ def run_clients(datas, variant, *, config, batch_size=8, order=None, **kwargs):
     return outcome, transport
 
 
-def max_rel_err(A, B):
-    return np.abs(A - B).max() / np.abs(B).max()
-
-
 @settings(max_examples=25, deadline=None)
 @given(
     n_clients=st.integers(1, 9),
@@ -70,7 +67,7 @@ def test_fedacnnl_equals_centralized_acnnl(n_clients, seed, adaptive, data):
     federated, _ = run_clients([client_data(x, y, p) for p in parts], Variant(adaptive=adaptive), config=config,
                                batch_size=batches, max_batch_size={i: 64 for i in range(n_clients)}, order=order)
     for W_fed, W_central in zip(federated["group_weights"][0], central["group_weights"][0]):
-        assert max_rel_err(W_fed, W_central) <= 1e-10
+        assert_close(W_fed, W_central, np.float64, rtol=1e-10)
 
 
 def test_centralized_acnnl_matches_numpy_layer_by_layer(rng):
@@ -87,7 +84,7 @@ def test_centralized_acnnl_matches_numpy_layer_by_layer(rng):
         A = np.hstack([h, np.ones((len(h), 1))])
         Z = Y @ encoders[position] if position < len(encoders) else Y
         W_ref = np.linalg.solve(A.T @ A + 3.0 * np.eye(A.shape[1]), A.T @ Z)
-        assert max_rel_err(W, W_ref) <= 1e-10
+        assert_close(W, W_ref, np.float64, rtol=1e-10)
         h = np.maximum(A @ W_ref, 0) if position < 2 else A @ W_ref
     assert client.evaluate()["total"] == 5
 
@@ -102,7 +99,7 @@ def test_personalization_solves_eq13(rng):
     A = np.hstack([x, np.ones((60, 1))])
     Y = np.eye(N_CLASSES)[y]
     W_ref = np.linalg.solve(A.T @ A + 7.0 * np.eye(6), A.T @ Y + 7.0 * M)
-    assert max_rel_err(client.model.layers[client.model.trainable[0]].weights, W_ref) <= 1e-12
+    assert_close(client.model.layers[client.model.trainable[0]].weights, W_ref, np.float64, rtol=1e-12)
 
 
 def test_label_summary_is_eq9(rng):
@@ -113,7 +110,7 @@ def test_label_summary_is_eq9(rng):
     Q_enc = encoder_for_clustering(encoders, N_CLASSES)
     assert Q_enc.shape == (N_CLASSES, 16)  # the narrowest hidden layer (eq. 8)
     expected = np.bincount(y, minlength=N_CLASSES) / 40 @ Q_enc
-    np.testing.assert_allclose(client.label_summary()["h"], expected, rtol=1e-12)
+    assert_close(client.label_summary()["h"], expected, np.float64)
 
 
 def test_clustering_groups_clients_with_the_same_labels(rng):

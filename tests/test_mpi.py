@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from numeric_checks import assert_close
+
 MPIEXEC = shutil.which("mpiexec") or shutil.which("mpiexec", path=str(Path(sys.executable).parent))
 
 pytestmark = [
@@ -67,7 +69,7 @@ def test_same_as_in_process(tmp_path, algorithm, extra_env):
     for name in expected:
         for W, V in zip(expected[name], actual[name], strict=True):
             assert W.dtype == V.dtype == np.float64 and W.shape == V.shape
-            assert np.abs(W - V).max() <= 1e-10 * np.abs(W).max(), name
+            assert_close(V, W, np.float64, rtol=1e-10)
 
     ref = json.loads((reference / "results.json").read_text())
     got = json.loads((distributed / "results.json").read_text())
