@@ -15,6 +15,7 @@ def plot_results(results_path, out_dir=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.ticker import MaxNLocator
 
     results_path = Path(results_path)
     with open(results_path) as f:
@@ -22,18 +23,24 @@ def plot_results(results_path, out_dir=None):
     out = Path(out_dir) if out_dir else results_path.parent
     out.mkdir(parents=True, exist_ok=True)
     cfg = results["config"]
-    title = f"{cfg['algorithm']} on {cfg['dataset']}-{cfg['model']} ({results['n_clients']} clients)"
+    title = f"{cfg['algorithm']}: {cfg['dataset']}, {cfg['model']} model, {results['n_clients']} clients"
 
     keys = [k for k, r in results["rounds"].items() if r["accuracy"] is not None]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    stages = [results["rounds"][k]["stage"] for k in keys]
-    ax.plot([int(k) for k in keys], [results["rounds"][k]["accuracy"] for k in keys], marker="o")
-    for k, stage in zip(keys, stages):
-        ax.annotate(stage[0].upper(), (int(k), results["rounds"][k]["accuracy"]), textcoords="offset points",
-                    xytext=(0, 6), ha="center", fontsize=7)
-    ax.set_xlabel("round (F = federated layer, P = personalized layer)")
-    ax.set_ylabel("overall test accuracy")
-    ax.set_title(title, fontsize=9)
+    rounds = [int(k) for k in keys]
+    accuracy = [100 * results["rounds"][k]["accuracy"] for k in keys]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(rounds, accuracy, marker="o")
+    # Analytic rounds train one layer each: mark which stage; the baselines' rounds are all alike.
+    layered = any(results["rounds"][k]["layer"] is not None for k in keys)
+    if layered:
+        for k, x, y in zip(keys, rounds, accuracy):
+            ax.annotate(results["rounds"][k]["stage"][0].upper(), (x, y), textcoords="offset points",
+                        xytext=(0, 7), ha="center", fontsize=8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("round (F = federated layer, P = personalized layer)" if layered else "round")
+    ax.set_ylabel("overall test accuracy (%)")
+    ax.set_ylim(0, 105)
+    ax.set_title(title, fontsize=11)
     ax.grid(alpha=0.3)
     accuracy_png = out / "accuracy.png"
     fig.tight_layout()
@@ -47,15 +54,20 @@ def plot_results(results_path, out_dir=None):
             acc += (t["compute_s"], t["idle_s"], t["comm_s"])
     cids = sorted(totals)
     parts = np.array([totals[c] for c in cids]).reshape(-1, 3)
-    fig, ax = plt.subplots(figsize=(8, 4))
+    shares = parts.sum(axis=0) / max(parts.sum(), 1e-300)
+    fig, ax = plt.subplots(figsize=(8, 4.2))
     bottom = np.zeros(len(cids))
     for column, label in enumerate(("compute", "idle", "communication")):
-        ax.bar(range(len(cids)), parts[:, column], bottom=bottom, label=label, width=0.9)
+        # The share in the legend keeps a part visible even when its bars are thinner than a pixel.
+        ax.bar(range(len(cids)), parts[:, column], bottom=bottom, width=0.9,
+               label=f"{label} ({100 * shares[column]:.3g} % of the total)")
         bottom += parts[:, column]
     ax.set_xlabel("client")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("total training time (s)")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
+    ax.set_title(title, fontsize=11)
+    # Above the axes, so it hides no bar.
+    ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.08), ncol=3, fontsize=8, frameon=False)
     time_png = out / "time_breakdown.png"
     fig.tight_layout()
     fig.savefig(time_png, dpi=120)

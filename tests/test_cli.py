@@ -145,3 +145,25 @@ def test_hyper_overrides_reach_the_baseline(tmp_path):
     hyper = json.loads((out / "results.json").read_text())["hyperparameters"]
     assert hyper["lr"] == 2.5e-4 and hyper["b2"] == 3 and isinstance(hyper["b2"], int)
     assert hyper["mu"] == 1e-3  # untouched default
+
+
+def test_a_newcomer_sees_progress_totals_and_where_nothing_was_written(capsys):
+    assert main(["run", "--algorithm", "fedacnnl", "--clients", "6", "--model", "dnn"]) == 0
+    captured = capsys.readouterr()
+    assert "3/3" in captured.err  # the bar knows the rounds in advance (one per layer), hence its ETA
+    assert "near chance, 1/10, until the last layer is trained" in captured.out
+    assert "nothing was written to disk: add --output DIR" in captured.out
+
+
+def test_plot_marks_layers_only_for_layered_rounds(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    annotated = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "annotate", lambda self, text, *a, **k: annotated.append(text))
+    for algorithm, extra, marks in (("fedavg", ["--rounds", "2"], []), ("fedacnnl", [], ["F"])):
+        out = tmp_path / algorithm
+        assert main(["run", "--algorithm", algorithm, "--clients", "6", "--model", "lr", *extra,
+                     "--output", str(out), "--quiet"]) == 0
+        annotated.clear()
+        assert main(["plot", str(out / "results.json")]) == 0
+        assert annotated == marks
