@@ -1,62 +1,84 @@
-"""FedACnnL end to end: per-round and total time, against the round's flop floor.
+"""Per-round time of FedACnnL, one pytest-benchmark case per round's job, tracked against a saved baseline.
 
-    python -m pytest bench/bench_fedacnnl.py --benchmark-enable -s
+A FedACnnL round l is the clients' statistics (X_l^T X_l and X_l^T Z_l over
+their data, :meth:`fedlayer.client.Client.local_stats`) and the server's
+solve of the summed system (:func:`fastls.ridge_solve`). Each is a benchmark
+case of its own, for every layer of the MNIST DNN, in float32 and float64 data,
+at the first round's batch size B_1 = 64 and at B_max = 1024, so
+``--benchmark-compare`` checks every round's time, not only a run's total.
 
-Each round's client computation is at least its flops: the Gram N d_{l-1}^2
-(d including the bias), the cross term 2 N d_{l-1} d_l and the forward pass
-through the earlier layers, 2 N d_in d_out each. The floor is that count at
-the better of the 1- and 2-thread syrk rates measured in the same run at the
-first layer's width (clients here have 1 or 2 cores). MNIST cases skip when the data files are absent.
+The statistics case is one client holding a whole round's samples (52,500:
+the 100 MNIST clients' 75 % training shares), under one core; values are
+random with MNIST's shape, since the time does not depend on them. With
+``--benchmark-enable`` the cases run at that full size, several rounds each;
+in the test suite (benchmarks disabled) they run once on 512 samples, as
+checks that the benchmarked paths work. See bench/README.md for the commands
+that save, compare and fail on a regression.
 """
-
-import time
 
 import numpy as np
 import pytest
 
 import fastls
-from fedlayer.run import RunConfig, load_dataset, run
+from fedlayer.client import Client
+from fedlayer.data import ClientData
+from fedlayer.models import build_model
+from numeric_checks import assert_close
+
+N_FEATURES, N_CLASSES = 784, 10   # MNIST
+FULL_SAMPLES, SMALL_SAMPLES = 52500, 512
+LAYERS = [0, 1, 2]                # the DNN's trainable layers: 785 -> 128, 129 -> 64, 65 -> 10
+BATCHES = {"B_1": 64, "B_max": 1024}
+GAMMA = 100.0
+ROUNDS = 5
 
 
-def syrk_rate(d, threads):
-    """GFLOP/s of fastls.gram_update (float64) at width d, measured now."""
-    X = np.random.default_rng(0).standard_normal((20000, d))
-    G = np.zeros((d, d))
-    with fastls.limit_cores(threads):
-        best = min(_timed(fastls.gram_update, G, X) for _ in range(3))
-    return 20000 * d * d / best / 1e9
+@pytest.fixture(scope="module")
+def full_size(request):
+    """Full-size shapes when the benchmarks are timed, small ones when the suite runs them once."""
+    return bool(request.config.getoption("benchmark_enable", False))
 
 
-def _timed(fn, *args):
-    start = time.perf_counter()
-    fn(*args, check_finite=False)
-    return time.perf_counter() - start
+@pytest.fixture(scope="module")
+def clients(full_size):
+    """dtype name -> a one-core Client of the MNIST DNN holding a round's samples (cached per module)."""
+    n = FULL_SAMPLES if full_size else SMALL_SAMPLES
+    rng = np.random.default_rng(0)
+    x = rng.random((n, N_FEATURES))
+    y = rng.integers(0, N_CLASSES, n)
+    built = {}
+    for dtype in ("float32", "float64"):
+        model = build_model("dnn", (N_FEATURES,), N_CLASSES, dtype=np.dtype(dtype))
+        data = ClientData(x_train=x.astype(dtype), y_train=y, x_test=x[:1].astype(dtype), y_test=y[:1])
+        built[dtype] = Client(0, data, model.config(), seed=0, n_classes=N_CLASSES, cores=1)
+    return built
 
 
-@pytest.mark.parametrize("dataset", ["synthetic", "mnist"])
-def test_fedacnnl_dnn_100_clients(benchmark, dataset):
-    config = RunConfig(algorithm="fedacnnl", dataset=dataset, model="dnn", clients=100)
-    try:
-        data = load_dataset(config)
-    except FileNotFoundError as err:
-        pytest.skip(f"{dataset} data not found: {str(err).splitlines()[0]}")
-    benchmark.group = f"fedacnnl {dataset}-dnn 100 clients"
-    results = benchmark.pedantic(run, args=(config,), kwargs={"dataset": data}, rounds=1, iterations=1)
-    n_total = sum(c.n_train for c in data.clients)
-    widths = [int(np.prod(data.feature_shape)) + 1, 129, 65]
-    outputs = [128, 64, data.n_classes]
-    rates = {threads: syrk_rate(widths[0], threads) for threads in (1, 2)}
-    report = []
-    for position, ((key, record), d) in enumerate(zip(results["rounds"].items(), widths)):
-        compute = sum(c["compute_s"] for c in record["clients"].values())
-        flops = n_total * (d * d + 2 * d * outputs[position]
-                           + sum(2 * widths[p] * outputs[p] for p in range(position)))
-        floor = flops / (max(rates.values()) * 1e9)
-        report.append({"round": key, "layer_inputs": d, "sum_compute_s": compute, "floor_s": floor,
-                       "ratio": compute / floor, "max_idle_s": max(c["idle_s"] for c in record["clients"].values())})
-    benchmark.extra_info.update({"rounds": report, "syrk_gflops": rates, "time_per_client": results["time_per_client"]})
-    for row in report:
-        print(row)
-    print("syrk GFLOP/s", rates, "time per client", results["time_per_client"])
-    assert results["accuracy"] > 0.6
-    assert len(report) == 3 and all(row["ratio"] > 0 for row in report)
+def _timed(benchmark, fn, **kwargs):
+    """Several timed rounds when benchmarking (one untimed warm-up), a single call in the test suite."""
+    return benchmark.pedantic(fn, kwargs=kwargs, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+
+
+@pytest.mark.parametrize("batch", sorted(BATCHES), ids=str)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("layer", LAYERS, ids=lambda layer: f"layer{layer + 1}")
+def test_round_client_statistics(benchmark, clients, layer, dtype, batch):
+    client = clients[dtype]
+    benchmark.group = f"client statistics, layer {layer + 1}"
+    result = _timed(benchmark, client.local_stats, position=layer, batch_size=BATCHES[batch])
+    G, C = result["G"], result["C"]
+    n_inputs = client.model.layers[client.model.trainable[layer]].ls_shape(
+        client.model.input_shape_of(client.model.trainable[layer]))[0]
+    assert G.shape == (n_inputs, n_inputs) and C.shape[0] == n_inputs
+    # The bias column is constant 1: its diagonal entry counts the samples, whatever the batch size.
+    assert G[-1, -1] == client.data.n_train
+
+
+@pytest.mark.parametrize("layer", LAYERS, ids=lambda layer: f"layer{layer + 1}")
+def test_round_server_solve(benchmark, clients, layer):
+    statistics = clients["float64"].local_stats(position=layer, batch_size=BATCHES["B_max"])
+    G, C = statistics["G"], statistics["C"]
+    benchmark.group = f"server solve, layer {layer + 1}"
+    W = _timed(benchmark, fastls.ridge_solve, G=G, C=C, gamma=GAMMA)
+    full = fastls.symmetrize(G)
+    assert_close(full @ W + GAMMA * W, C, np.float64, rtol=1e-8)
