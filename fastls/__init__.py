@@ -14,7 +14,9 @@ from ._core import (
     cross_update,
     gram_update,
     im2col,
+    proximal_cost,
     proximal_solve,
+    proximal_solve_dual,
     ridge_solve,
     symmetrize,
 )
@@ -33,6 +35,8 @@ __all__ = [
     "conv_stats_cost",
     "ridge_solve",
     "proximal_solve",
+    "proximal_solve_dual",
+    "proximal_cost",
     "limit_cores",
     "available_cores",
     "blas_info",

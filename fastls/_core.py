@@ -38,6 +38,8 @@ __all__ = [
     "conv_stats_cost",
     "ridge_solve",
     "proximal_solve",
+    "proximal_solve_dual",
+    "proximal_cost",
 ]
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -151,14 +153,38 @@ def gram_update(G, X, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
     if X.shape[0] == 0 or d == 0:
         return G
     X = _as_input(X)
+    n = X.shape[0]
+    if check_finite and d * d * G.dtype.itemsize <= _DIAGONAL_CHECK_BYTES and 4 * d <= n:
+        # Cheaper than scanning X when d is small next to N: the diagonal of
+        # X^T X is NaN or Inf exactly when a column of X holds one (or when
+        # a square overflows, which would make G non-finite anyway). The
+        # product goes to a zeroed d x d temporary, so a refused X leaves G
+        # untouched.
+        T = np.zeros_like(G)
+        _gram_into(T, X, mixed, block_rows)
+        if not np.isfinite(T.diagonal()).all():
+            raise ValueError(
+                f"X contains NaN or Inf (or values whose squares overflow {X.dtype}); expected finite values"
+            )
+        _kernels.add_upper(G, T)
+        return G
     if check_finite:
         _check_finite("X", X)
+    _gram_into(G, X, mixed, block_rows)
+    return G
+
+
+# Largest d x d temporary gram_update uses to check finiteness on the
+# diagonal of the product instead of scanning X.
+_DIAGONAL_CHECK_BYTES = 8 * 2**20
+
+
+def _gram_into(G, X, mixed, block_rows):
     g_layout, x_layout = _layout(G), _layout(X)
     if mixed:
         _kernels.gram_mixed(G, *g_layout, X, *x_layout, block_rows, DEFAULT_TILE)
     else:
         _kernels.gram_same(G, *g_layout, X, *x_layout)
-    return G
 
 
 def cross_update(C, X, Z, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
@@ -686,17 +712,30 @@ def _pick_conv_method(method, image_shape, kernel_size, stride, padding, per_ima
 _ON_FAILURE = ("raise", "eigh")
 
 
-def _spd_solve(G, rhs, shift, shift_name, overwrite_g, on_failure, check_finite, what):
-    """(G + shift I)^-1 rhs, rhs already an F-ordered working array."""
+def _check_solve(G, C, shift, shift_name, meaning, on_failure, overwrite_g, check_finite):
+    """Every check of a solve, before any array is written; returns (G, shift)."""
+    G = _check_system(G, C)
+    shift = _check_positive(shift_name, shift, meaning)
+    # A shift below the smallest normal number is lost in G's diagonal.
+    tiny = np.finfo(G.dtype).tiny
+    if shift < tiny:
+        raise ValueError(f"{shift_name} must be at least {tiny:g} (the smallest normal {G.dtype}), got {shift!r}")
     if on_failure not in _ON_FAILURE:
         raise ValueError(f"on_failure must be one of {_ON_FAILURE}, got {on_failure!r}")
     if on_failure == "eigh" and overwrite_g:
         raise ValueError("on_failure='eigh' needs the original G: it cannot be combined with overwrite_g=True")
+    if check_finite:
+        if G.shape[0] and not _kernels.upper_finite(G):
+            raise ValueError("G contains NaN or Inf in its upper triangle; expected finite values")
+        _check_finite("C", C)
+    return G, shift
+
+
+def _spd_solve(G, rhs, shift, shift_name, overwrite_g, on_failure, what):
+    """(G + shift I)^-1 rhs, rhs already an F-ordered working array; arguments checked."""
     d = G.shape[0]
     if d == 0:
         return rhs
-    if check_finite:
-        _check_finite("G", G)
     in_place = overwrite_g and G.flags.writeable and (G.flags.c_contiguous or G.flags.f_contiguous)
     A = G if in_place else G.copy(order="F" if G.flags.f_contiguous else "C")
     _kernels.add_diagonal(A, shift)
@@ -766,12 +805,10 @@ def ridge_solve(G, C, gamma, *, overwrite_g=False, overwrite_c=False, on_failure
     -------
     W : ndarray of shape (d, m), Fortran-ordered, dtype of G
     """
-    G = _check_system(G, C)
-    gamma = _check_positive("gamma", gamma, "the ridge regularization")
-    if check_finite:
-        _check_finite("C", C)
+    G, gamma = _check_solve(G, C, gamma, "gamma", "the ridge regularization", on_failure, overwrite_g,
+                            check_finite)
     rhs = _working_rhs(C, overwrite_c)
-    return _spd_solve(G, rhs, gamma, "gamma", overwrite_g, on_failure, check_finite, "ridge_solve")
+    return _spd_solve(G, rhs, gamma, "gamma", overwrite_g, on_failure, "ridge_solve")
 
 
 def proximal_solve(G, C, eps, M, *, overwrite_g=False, overwrite_c=False, on_failure="raise", check_finite=True):
@@ -794,14 +831,86 @@ def proximal_solve(G, C, eps, M, *, overwrite_g=False, overwrite_c=False, on_fai
     -------
     W : ndarray of shape (d, m), Fortran-ordered, dtype of G
     """
-    G = _check_system(G, C)
     _check_array("M", M, 2)
     if M.shape != C.shape:
         raise ValueError(f"M must have the shape of C {C.shape}, got {M.shape}")
-    eps = _check_positive("eps", eps, "the proximal weight")
+    G, eps = _check_solve(G, C, eps, "eps", "the proximal weight", on_failure, overwrite_g, check_finite)
     if check_finite:
-        _check_finite("C", C)
         _check_finite("M", _as_input(M))
     rhs = _working_rhs(C, overwrite_c)
     rhs += eps * M
-    return _spd_solve(G, rhs, eps, "eps", overwrite_g, on_failure, check_finite, "proximal_solve")
+    return _spd_solve(G, rhs, eps, "eps", overwrite_g, on_failure, "proximal_solve")
+
+
+def proximal_cost(n, d, m, *, gram_flops=None):
+    """Flops of the proximal solve in its primal and its dual form.
+
+    primal: G = X^T X (n d^2, or ``gram_flops``), Cholesky of d x d (d^3 / 3),
+    two triangular solves with m right-hand sides (2 d^2 m).
+    dual: X X^T (n^2 d), Cholesky of n x n (n^3 / 3), X M and X^T S
+    (4 n d m), the triangular solves (2 n^2 m).
+
+    Returns
+    -------
+    dict with "primal" and "dual" (float flops)
+    """
+    n, d, m = float(n), float(d), float(m)
+    gram = n * d * d if gram_flops is None else float(gram_flops)
+    return {"primal": gram + d ** 3 / 3 + 2 * d * d * m,
+            "dual": n * n * d + n ** 3 / 3 + 4 * n * d * m + 2 * n * n * m}
+
+
+def proximal_solve_dual(X, Z, eps, M, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
+    """W = M + X^T (X X^T + eps I)^-1 (Z - X M): :func:`proximal_solve` without G.
+
+    The same minimizer of ||Z - X W||^2 + eps ||W - M||^2 by the Woodbury
+    identity, through an n x n system: the cheaper form when the rows n are
+    fewer than the features d (see :func:`proximal_cost`).
+
+    Parameters
+    ----------
+    X : ndarray of shape (n, d), float32 or float64
+        float32 X with a float64 M is multiplied in float64 (X X^T from
+        float32 blocks of ``block_rows`` columns accumulated in float64;
+        X M and X^T S from float64 copies of ``block_rows`` rows at a time).
+    Z : ndarray of shape (n, m), dtype of X
+    eps : float > 0
+    M : ndarray of shape (d, m), float32 or float64 (not float32 with float64 X)
+        Sets the dtype of the computation and of W.
+    block_rows : int, default=4096
+    check_finite : bool, default=True
+
+    Returns
+    -------
+    W : ndarray of shape (d, m), C-ordered, dtype of M
+    """
+    _check_array("X", X, 2)
+    _check_array("Z", Z, 2)
+    _check_array("M", M, 2)
+    n, d = X.shape
+    if Z.shape[0] != n or Z.dtype != X.dtype:
+        raise ValueError(f"Z must have shape ({n}, m) and the dtype of X ({X.dtype}), got {Z.shape} {Z.dtype}")
+    if M.shape != (d, Z.shape[1]):
+        raise ValueError(f"M must have shape (d, m) = ({d}, {Z.shape[1]}) for X {X.shape} and Z {Z.shape}, got {M.shape}")
+    _check_pair_dtypes("M", M, "X", X)
+    eps = _check_positive("eps", eps, "the proximal weight")
+    block_rows = _check_count("block_rows", block_rows)
+    X, Z, M = _as_input(X), _as_input(Z), np.ascontiguousarray(M)
+    if check_finite:
+        for name, A in (("X", X), ("Z", Z), ("M", M)):
+            _check_finite(name, A)
+    dtype = M.dtype
+    K = np.zeros((n, n), dtype=dtype)
+    gram_update(K, X.T, block_rows=block_rows, check_finite=False)   # X X^T, upper triangle
+    # X M and X^T S in the dtype of M, over row slices of X cast at most
+    # DEFAULT_SCRATCH_BYTES at a time.
+    step = max(1, DEFAULT_SCRATCH_BYTES // (max(d, 1) * dtype.itemsize))
+    slices = [slice(start, start + step) for start in range(0, n, step)]
+    R = np.array(Z, dtype=dtype)
+    for rows in slices:
+        R[rows] -= X[rows].astype(dtype, copy=False) @ M
+    S = _spd_solve(K, np.asfortranarray(R), eps, "eps", True, "raise", "proximal_solve_dual")
+    W = M.copy()
+    for rows in slices:
+        W += X[rows].astype(dtype, copy=False).T @ S[rows]
+    return W

@@ -439,24 +439,71 @@ def cholesky_solve(floating[:, :] A, bint a_rowmajor, int lda,
     return info
 
 
+def add_upper(floating[:, :] G, const floating[:, :] T):
+    """G[i, j] += T[i, j] for i <= j (the strict lower triangle of G is not touched)."""
+    cdef Py_ssize_t i, j, d = G.shape[0]
+    cdef bint rowmajor = G.strides[1] == sizeof(floating)
+    with nogil:
+        if rowmajor:
+            for i in range(d):
+                for j in range(i, d):
+                    G[i, j] += T[i, j]
+        else:
+            for j in range(d):
+                for i in range(j + 1):
+                    G[i, j] += T[i, j]
+
+
 # ---------------------------------------------------------------------------
 # Validation helpers
 # ---------------------------------------------------------------------------
 
-def all_finite(const floating[:, :] A):
-    """True when no entry of A is NaN or +-Inf (no temporary array)."""
-    cdef Py_ssize_t i, j
-    cdef floating v
+cdef bint _finite_run(const floating *a, Py_ssize_t n) noexcept nogil:
+    """True when none of a[0:n] is NaN or +-Inf.
+
+    x - x is 0 for a finite x and NaN otherwise; the eight independent
+    partial sums keep the loop free of branches, so the compiler can
+    vectorize it (a reduction through one accumulator cannot be reordered).
+    """
+    cdef floating acc[8]
+    cdef Py_ssize_t i, j, n8 = n - n % 8
+    for j in range(8):
+        acc[j] = 0
+    for i in range(0, n8, 8):
+        for j in range(8):
+            acc[j] += a[i + j] - a[i + j]
+    for i in range(n8, n):
+        acc[0] += a[i] - a[i]
+    for j in range(1, 8):
+        acc[0] += acc[j]
+    return acc[0] == 0
+
+
+
+def upper_finite(const floating[:, :] G):
+    """True when no entry of the upper triangle of a contiguous square G is NaN or +-Inf."""
+    cdef Py_ssize_t i, d = G.shape[0]
     cdef bint ok = True
+    cdef bint rowmajor = G.strides[1] == sizeof(floating)
     with nogil:
-        for i in range(A.shape[0]):
-            for j in range(A.shape[1]):
-                v = A[i, j]
-                if v - v != 0:   # NaN and +-Inf give NaN here
-                    ok = False
-                    break
+        for i in range(d):
+            # Row i from the diagonal on (row-major), or column i down to it (Fortran).
+            ok = _finite_run(&G[i, i], d - i) if rowmajor else _finite_run(&G[0, i], i + 1)
             if not ok:
                 break
+    return ok
+
+def all_finite(const floating[:, ::1] A):
+    """True when no entry of A is NaN or +-Inf (no temporary array)."""
+    cdef Py_ssize_t n = A.shape[0] * A.shape[1], start = 0, step = 1 << 16
+    cdef bint ok = True
+    if n == 0:
+        return True
+    with nogil:
+        # Blocks of 64 Ki values: a non-finite value stops the scan early.
+        while ok and start < n:
+            ok = _finite_run(&A[0, 0] + start, min(step, n - start))
+            start += step
     return ok
 
 

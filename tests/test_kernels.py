@@ -410,3 +410,100 @@ def test_kernels_release_the_gil(rng):
     during = [t for t in ticks if start <= t <= start + elapsed]
     # The counter kept ticking throughout the kernel calls.
     assert len(during) >= max(3, int(elapsed / 0.001) // 10)
+
+
+# ---------------------------------------------------------------------------
+# The proximal solve in its dual form, and what every solve checks first
+# ---------------------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 60), st.integers(1, 5), st.floats(1e-3, 1e4), st.integers(0, 2**31 - 1))
+def test_dual_proximal_solve_equals_the_primal(n, d, m, eps, seed):
+    rng = np.random.default_rng(seed)
+    X, Z, M = rng.standard_normal((n, d)), rng.standard_normal((n, m)), rng.standard_normal((d, m))
+    G, C = X.T @ X, X.T @ Z
+    primal = fastls.proximal_solve(G, C, eps, M)
+    dual = fastls.proximal_solve_dual(X, Z, eps, M)
+    assert np.abs(dual - primal).max() <= 1e-8 * np.abs(primal).max()
+
+
+@pytest.mark.parametrize("m_dtype", DTYPES)
+def test_dual_proximal_solve_float32_rows(rng, m_dtype):
+    X = random(rng, (30, 200), np.float32)
+    Z = random(rng, (30, 4), np.float32)
+    M = random(rng, (200, 4), m_dtype)
+    X64, Z64, M64 = (A.astype(np.float64) for A in (X, Z, M))
+    reference = M64 + X64.T @ np.linalg.solve(X64 @ X64.T + 50.0 * np.eye(30), Z64 - X64 @ M64)
+    W = fastls.proximal_solve_dual(X, Z, 50.0, M)
+    assert W.dtype == m_dtype and W.shape == (200, 4)
+    assert_close(W, reference, np.float32, 200)
+
+
+def test_dual_proximal_solve_checks_its_inputs(rng):
+    X, Z, M = rng.standard_normal((5, 8)), rng.standard_normal((5, 2)), rng.standard_normal((8, 2))
+    with pytest.raises(ValueError, match=r"M must have shape \(d, m\) = \(8, 2\)"):
+        fastls.proximal_solve_dual(X, Z, 1.0, M[:7])
+    with pytest.raises(ValueError, match=r"Z must have shape \(5, m\)"):
+        fastls.proximal_solve_dual(X, Z[:4], 1.0, M)
+    with pytest.raises(TypeError, match="float64 data into float32"):
+        fastls.proximal_solve_dual(X, Z, 1.0, M.astype(np.float32))
+    bad = X.copy()
+    bad[2, 3] = np.nan
+    with pytest.raises(ValueError, match="X contains NaN or Inf"):
+        fastls.proximal_solve_dual(bad, Z, 1.0, M)
+    with pytest.raises(ValueError, match="eps must be a finite number > 0"):
+        fastls.proximal_solve_dual(X, Z, 0.0, M)
+
+
+def test_proximal_cost_prefers_the_smaller_system():
+    # The DCNN's last convolution at full width: 1,800 patch rows of 18,433 features.
+    assert fastls.proximal_cost(1800, 18433, 2048)["dual"] < fastls.proximal_cost(1800, 18433, 2048)["primal"] / 5
+    assert fastls.proximal_cost(60000, 785, 10)["primal"] < fastls.proximal_cost(60000, 785, 10)["dual"]
+
+
+def test_proximal_solve_refuses_before_writing_c(rng):
+    G, C = spd_system(rng, 20, 6, 2, np.float64, "F")
+    C = np.asfortranarray(C)
+    C_before = C.copy()
+    broken = G.copy()
+    broken[0, 3] = np.nan   # upper triangle: read, so refused
+    M = rng.standard_normal((6, 2))
+    with pytest.raises(ValueError, match="G contains NaN or Inf"):
+        fastls.proximal_solve(broken, C, 10.0, M, overwrite_c=True)
+    with pytest.raises(ValueError, match="on_failure must be one of"):
+        fastls.proximal_solve(G, C, 10.0, M, overwrite_c=True, on_failure="lstsq")
+    with pytest.raises(ValueError, match="cannot be combined with overwrite_g"):
+        fastls.proximal_solve(G, C, 10.0, M, overwrite_c=True, overwrite_g=True, on_failure="eigh")
+    np.testing.assert_array_equal(C, C_before)
+
+
+def test_lower_triangle_of_g_is_not_read(rng):
+    G, C = spd_system(rng, 20, 6, 2, np.float64)
+    expected = fastls.ridge_solve(G, C, 3.0)
+    G[np.tril_indices(6, -1)] = np.nan
+    np.testing.assert_array_equal(fastls.ridge_solve(G, C, 3.0), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_subnormal_regularization_is_refused(dtype):
+    G, C = np.eye(3, dtype=dtype), np.ones((3, 1), dtype=dtype)
+    subnormal = float(np.finfo(dtype).tiny) / 4
+    with pytest.raises(ValueError, match="smallest normal"):
+        fastls.ridge_solve(G, C, subnormal)
+    with pytest.raises(ValueError, match="smallest normal"):
+        fastls.proximal_solve(G, C, subnormal, C)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gram_update_diagonal_check_refuses_overflow_and_nan(rng, dtype):
+    # N >= 4 d: the product's diagonal is checked instead of a scan of X.
+    X = random(rng, (400, 6), dtype)
+    G = random(rng, (6, 6), np.float64)
+    G_before = G.copy()
+    X[123, 4] = np.nan
+    with pytest.raises(ValueError, match="X contains NaN or Inf"):
+        fastls.gram_update(G, X)
+    X[123, 4] = np.sqrt(np.finfo(dtype).max) * 2   # finite, but its square overflows the product's dtype
+    with pytest.raises(ValueError, match="overflow"):
+        fastls.gram_update(G, X)
+    np.testing.assert_array_equal(G, G_before)
