@@ -7,10 +7,12 @@ threadpoolctl.
 """
 
 from ._core import (
+    DEFAULT_SCRATCH_BYTES,
     ConvStats,
     conv_gram_update,
     conv_output_shape,
     conv_stats_cost,
+    conv_stats_method,
     cross_update,
     gram_update,
     im2col,
@@ -33,6 +35,8 @@ __all__ = [
     "conv_gram_update",
     "ConvStats",
     "conv_stats_cost",
+    "conv_stats_method",
+    "DEFAULT_SCRATCH_BYTES",
     "ridge_solve",
     "proximal_solve",
     "proximal_solve_dual",

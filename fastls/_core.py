@@ -36,6 +36,8 @@ __all__ = [
     "conv_gram_update",
     "ConvStats",
     "conv_stats_cost",
+    "conv_stats_method",
+    "DEFAULT_SCRATCH_BYTES",
     "ridge_solve",
     "proximal_solve",
     "proximal_solve_dual",
@@ -687,6 +689,11 @@ def conv_stats_cost(image_shape, kernel_size, *, stride=1, padding=0):
     if (sh, sw) != (1, 1):
         return im2col_macs, None
     return im2col_macs, _overlap_plan(kh, kw, out_h, out_w)[4] * channels ** 2
+
+
+def conv_stats_method(image_shape, kernel_size, *, stride=1, padding=0, per_image_targets=True):
+    """The method ``method='auto'`` of :class:`ConvStats` takes: 'overlap' or 'im2col'."""
+    return _pick_conv_method("auto", tuple(image_shape), kernel_size, stride, padding, per_image_targets)
 
 
 def _pick_conv_method(method, image_shape, kernel_size, stride, padding, per_image):

@@ -7,7 +7,11 @@ so the same code runs in both.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
+import weakref
+from pathlib import Path
 
 import numpy as np
 
@@ -83,10 +87,25 @@ class Client:
         dtype of the uploaded statistics X^T X and X^T Z.
     scratch_bytes : int
         Working memory bound for convolution statistics.
+    cache_dir : path or None
+        Where activations too large for RAM (over ``cache_ram_bytes``) are
+        kept as memory-mapped ``.npy`` files; None: a temporary folder,
+        removed with the client.
+    cache_ram_bytes : int, default=16 MiB
+        Activations of one split up to this size stay in memory.
+
+    Notes
+    -----
+    Layer-wise training passes every sample through each layer once per
+    stage: the client keeps, per split, the input of the layer it will
+    train or evaluate next, and moves it one trained layer forward when
+    needed. Replacing the weights of a layer the cached activations went
+    through drops them (personalization starts again from the raw data).
     """
 
     def __init__(self, client_id, data: ClientData, model_config, seed, n_classes, cores=1,
-                 stat_dtype=np.float64, scratch_bytes=64 * 2**20):
+                 stat_dtype=np.float64, scratch_bytes=fastls.DEFAULT_SCRATCH_BYTES, cache_dir=None,
+                 cache_ram_bytes=16 * 2**20):
         self.client_id = int(client_id)
         self.data = data
         self.model = Model.from_config(model_config)
@@ -99,6 +118,10 @@ class Client:
         widths = [self.model.layers[i].ls_shape(self.model.input_shape_of(i))[1] for i in self.model.trainable]
         self.encoders = label_encoders(self.seed, self.n_classes, widths)
         self.meta_weights = {}  # position -> the group's meta-model weights, kept for personalization
+        self.cache_ram_bytes = int(cache_ram_bytes)
+        self._cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self._activations = {}  # split -> (layer index whose input it is, array or .npy path)
+        self._evaluated_upto = 0  # layers[:k] hold the weights evaluation should cache through
         # The first core limit in a process builds threadpoolctl's controller
         # (it inspects every loaded library); do it now, outside the timed rounds.
         fastls.blas_info()
@@ -111,20 +134,89 @@ class Client:
             return Y @ self.encoders[position].astype(self.model.dtype, copy=False)
         return Y
 
+    # -- activations, one pass per layer and stage -----------------------
+    def _split(self, split):
+        return (self.data.x_train, self.data.y_train) if split == "train" else (self.data.x_test, self.data.y_test)
+
+    def _layer_inputs(self, split, layer_index):
+        """Inputs of ``layers[layer_index]`` for every sample of the split, from the cache.
+
+        Moves the cached activations forward through the layers they have
+        not passed yet (the only forward computation), or starts from the
+        raw samples when the cache is past ``layer_index``.
+        """
+        start, stored = self._activations.get(split, (0, None))
+        if stored is None or start > layer_index:
+            start, stored = 0, self._split(split)[0]
+        x = np.load(stored, mmap_mode="r") if isinstance(stored, Path) else stored
+        if start == layer_index:
+            return x
+        out = self._new_activations(split, layer_index, len(x))
+        step = self._forward_rows(start, layer_index)
+        for s in range(0, len(x), step):
+            out[s:s + step] = self.model.forward(x[s:s + step], start=start, stop=layer_index)
+        if isinstance(out, np.memmap):
+            out.flush()
+            path = Path(out.filename)
+            del out
+            self._drop(split)
+            self._activations[split] = (layer_index, path)
+            return np.load(path, mmap_mode="r")
+        self._drop(split)
+        self._activations[split] = (layer_index, out)
+        return out
+
+    def _new_activations(self, split, layer_index, n):
+        shape = (n, *self.model.input_shape_of(layer_index))
+        nbytes = int(np.prod(shape)) * self.model.dtype.itemsize
+        if nbytes <= self.cache_ram_bytes:
+            return np.empty(shape, dtype=self.model.dtype)
+        if self._cache_dir is None:
+            self._cache_dir = Path(tempfile.mkdtemp(prefix=f"fedlayer-client{self.client_id}-"))
+            weakref.finalize(self, shutil.rmtree, self._cache_dir, True)
+        self._cache_dir.mkdir(parents=True, exist_ok=True)
+        path = self._cache_dir / f"client{self.client_id}_{split}_layer{layer_index}.npy"
+        return np.lib.format.open_memmap(path, mode="w+", dtype=self.model.dtype, shape=shape)
+
+    def _drop(self, split):
+        _, stored = self._activations.pop(split, (0, None))
+        if isinstance(stored, Path):
+            stored.unlink(missing_ok=True)
+
+    def _forward_rows(self, start, stop):
+        """Samples per forward call: the widest activation of one call stays near scratch_bytes * 4."""
+        widest = max(int(np.prod(self.model.input_shape_of(i))) for i in range(start, stop + 1))
+        return max(1, 4 * self.scratch_bytes // (widest * self.model.dtype.itemsize))
+
+    def _weights_changed(self, layer_index):
+        """Drop the activations that went through layers[layer_index]; evaluate from its successor on."""
+        for split in list(self._activations):
+            if self._activations[split][0] > layer_index:
+                self._drop(split)
+        # Evaluation caches through this layer and the parameter-free layers
+        # after it, up to the next trainable one (whose weights are not final yet).
+        self._evaluated_upto = next((i for i in self.model.trainable if i > layer_index), len(self.model.layers))
+
     def _statistics(self, position, batch_size, rng):
-        """(X_l^T X_l, X_l^T Z_l) over the local training set, batch by batch (eq. 6)."""
+        """(X_l^T X_l, X_l^T Z_l) over the local training set, batch by batch (eq. 6).
+
+        Returns G, C and the seconds spent on the forward pass and on the statistics.
+        """
         layer_index = self.model.trainable[position]
         layer = self.model.layers[layer_index]
         n_in, n_out = layer.ls_shape(self.model.input_shape_of(layer_index))
+        start = time.perf_counter()
+        x = self._layer_inputs("train", layer_index)
+        forward_s = time.perf_counter() - start
         G = np.zeros((n_in, n_in), dtype=self.stat_dtype)
         C = np.zeros((n_in, n_out), dtype=self.stat_dtype)
         order = rng.permutation(self.data.n_train) if rng is not None else np.arange(self.data.n_train)
-        for start in range(0, len(order), batch_size):
-            batch = order[start:start + batch_size]
-            x = self.model.forward(self.data.x_train[batch], stop=layer_index)
-            layer.accumulate(G, C, x, self._targets(position, self.data.y_train[batch]),
-                             scratch_bytes=self.scratch_bytes)
-        return G, C
+        with layer.statistics(G, C, scratch_bytes=self.scratch_bytes) as stats:
+            for first in range(0, len(order), batch_size):
+                # Sorted within a batch: the rows are read in file order from a memory map.
+                batch = np.sort(order[first:first + batch_size])
+                stats.update(x[batch], self._targets(position, self.data.y_train[batch]))
+        return G, C, forward_s, time.perf_counter() - start - forward_s
 
     # -- methods the server calls -------------------------------------------
     def label_summary(self):
@@ -143,29 +235,71 @@ class Client:
         rng = np.random.default_rng([self.seed, self.client_id, round_index])
         start = time.perf_counter()
         with fastls.limit_cores(self.cores):
-            G, C = self._statistics(position, int(batch_size), rng)
-        return {"G": G, "C": C, "n": self.data.n_train, "compute_s": time.perf_counter() - start}
+            G, C, forward_s, stats_s = self._statistics(position, int(batch_size), rng)
+        return {"G": G, "C": C, "n": self.data.n_train, "compute_s": time.perf_counter() - start,
+                "parts": {"forward_s": forward_s, "stats_s": stats_s}}
 
     def set_weights(self, position, weights):
         """Replace layer ``position`` by the (group's) trained weights."""
-        self.model.layers[self.model.trainable[position]].set_weights(weights)
+        layer_index = self.model.trainable[position]
+        self.model.layers[layer_index].set_weights(weights)
+        self._weights_changed(layer_index)
         self.meta_weights[position] = weights
         return {}
 
     def personalize(self, position, eps, batch_size):
-        """Local personalization of one layer (eq. 13), through this client's own earlier layers."""
+        """Local personalization of one layer (eq. 13), through this client's own earlier layers.
+
+        The proximal problem is solved in whichever form costs fewer flops
+        (:func:`fastls.proximal_cost`): the primal from the streamed
+        statistics, or the dual (Woodbury) from the layer's least-squares
+        rows when the client has fewer rows than features.
+        """
+        layer_index = self.model.trainable[position]
+        layer = self.model.layers[layer_index]
+        input_shape = self.model.input_shape_of(layer_index)
+        n_in, n_out = layer.ls_shape(input_shape)
+        n_rows = self.data.n_train * layer.rows_per_sample(input_shape)
+        costs = fastls.proximal_cost(n_rows, n_in, n_out, gram_flops=layer.gram_flops(input_shape, self.data.n_train))
+        M = self.meta_weights[position].astype(self.stat_dtype, copy=False)
         start = time.perf_counter()
         with fastls.limit_cores(self.cores):
-            G, C = self._statistics(position, int(batch_size), None)
-            W = fastls.proximal_solve(G, C, eps, self.meta_weights[position].astype(self.stat_dtype, copy=False),
-                                      overwrite_g=True, overwrite_c=True)
-        self.model.layers[self.model.trainable[position]].set_weights(np.ascontiguousarray(W))
-        return {"compute_s": time.perf_counter() - start}
+            if costs["dual"] < costs["primal"]:
+                x = self._layer_inputs("train", layer_index)
+                forward_s = time.perf_counter() - start
+                A = layer.ls_rows(np.asarray(x))
+                Z = np.repeat(self._targets(position, self.data.y_train).astype(A.dtype, copy=False),
+                              layer.rows_per_sample(input_shape), axis=0)
+                stats_s = 0.0
+                solve_start = time.perf_counter()
+                W = fastls.proximal_solve_dual(A, Z, eps, M)
+                method = "dual"
+            else:
+                G, C, forward_s, stats_s = self._statistics(position, int(batch_size), None)
+                solve_start = time.perf_counter()
+                W = fastls.proximal_solve(G, C, eps, M, overwrite_g=True, overwrite_c=True)
+                method = "primal"
+            solve_s = time.perf_counter() - solve_start
+        layer.set_weights(np.ascontiguousarray(W))
+        self._weights_changed(layer_index)
+        return {"compute_s": time.perf_counter() - start, "method": method,
+                "parts": {"forward_s": forward_s, "stats_s": stats_s, "solve_s": solve_s}}
 
     def evaluate(self, batch_size=4096):
         """(correct, total) of this client's current model on its local test split, in batches."""
-        correct, total = self.model.accuracy(self.data.x_test, self.data.y_test, batch_size=batch_size)
-        return {"correct": int(correct), "total": int(total)}
+        # Cache through the layers that hold this stage's weights; the rest
+        # (not trained yet, or about to be replaced) run uncached.
+        start_layer = self._evaluated_upto
+        x = self._layer_inputs("test", start_layer)
+        y = self.data.y_test
+        if len(y) == 0:
+            return {"correct": 0, "total": 0}
+        correct = 0
+        step = min(batch_size, self._forward_rows(start_layer, len(self.model.layers)))
+        for s in range(0, len(y), step):
+            out = self.model.forward(x[s:s + step], start=start_layer)
+            correct += int((out.reshape(out.shape[0], -1).argmax(axis=1) == y[s:s + step]).sum())
+        return {"correct": correct, "total": int(len(y))}
 
     def final_weights(self):
         """Weights of every trainable layer (for checks and saving)."""

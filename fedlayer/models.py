@@ -76,8 +76,8 @@ __all__ = [
     "model_from_layers",
 ]
 
-#: Default bound on the working memory of the streamed kernels (bytes).
-DEFAULT_SCRATCH_BYTES = 64 * 2**20
+#: Default bound on the working memory of the streamed kernels (bytes): fastls's.
+DEFAULT_SCRATCH_BYTES = fastls.DEFAULT_SCRATCH_BYTES
 
 #: Rows per chunk when a Dense layer builds ``[x, 1]``; the fastls float32
 #: block size, so a chunk is one BLAS call on the mixed-precision path too.
@@ -548,9 +548,45 @@ class TrainableLayer(Layer):
 
         See the subclasses for A. G and C must be writable, C- or
         F-contiguous float arrays of shapes :meth:`ls_shape`; float32 x with
-        float64 G and C is allowed (accumulated in float64).
+        float64 G and C is allowed (accumulated in float64). One batch of
+        :meth:`statistics`.
+        """
+        with self.statistics(G, C, scratch_bytes=scratch_bytes) as stats:
+            stats.update(x, z)
+
+    def statistics(self, G, C, *, scratch_bytes=DEFAULT_SCRATCH_BYTES):
+        """A running accumulator of G and C over batches: ``update(x, z)``, then ``finish()``.
+
+        Use it as a context manager; G and C are complete when it closes.
+        Batches are checked as in :meth:`accumulate`.
+        """
+        return _LayerStatistics(self, G, C, scratch_bytes)
+
+    def _statistics_kernel(self, G, C, scratch_bytes):
+        """What adds one checked batch: an object with update(x, z) and finish()."""
+        raise NotImplementedError
+
+    def ls_rows(self, x):
+        """The least-squares input A of a batch: one row per sample (Dense) or patch (Conv2d), bias last.
+
+        Parameters
+        ----------
+        x : ndarray of shape (B, *input_shape)
+
+        Returns
+        -------
+        ndarray of shape (B * rows_per_sample, n_inputs), dtype of x (float)
         """
         raise NotImplementedError
+
+    def rows_per_sample(self, input_shape):
+        """Rows of A each sample contributes (1, or out_h * out_w patches)."""
+        return 1
+
+    def gram_flops(self, input_shape, n_samples):
+        """Flops (N d^2 convention) of A^T A over ``n_samples`` samples by the kernels used."""
+        d = self.ls_shape(input_shape)[0]
+        return float(n_samples) * self.rows_per_sample(input_shape) * d * d
 
     # -- evaluation ------------------------------------------------------
 
@@ -621,37 +657,24 @@ class Dense(TrainableLayer):
         scratch_bytes : int, default=64 MiB
             Bound on the ``[x, 1]`` chunk buffer.
         """
+        super().accumulate(G, C, x, z, scratch_bytes=scratch_bytes)
+
+    def _statistics_kernel(self, G, C, scratch_bytes):
+        return _DenseKernel(self, G, C, scratch_bytes)
+
+    _INPUT_NDIM, _INPUT_WHAT = 2, "(B, d)"
+
+    def _target_shapes(self, x):
+        return [(x.shape[0], self.units)]
+
+    def ls_rows(self, x):
         x = self._ls_input(x, 2, "(B, d)")
-        B, d = x.shape
-        n_in = d + self.bias
-        z = self._ls_target(z, B, x.dtype, [(B, self.units)])
-        self._check_stats(G, C, n_in)
-        scratch_bytes = _positive_int("scratch_bytes", scratch_bytes)
-        if B == 0:
-            return
         if not self.bias:
-            fastls.gram_update(G, x)
-            fastls.cross_update(C, x, z)
-            return
-        # The bias could be accumulated separately (G[:d, :d] += x^T x,
-        # G[:d, d] += sum x, G[d, d] += B, ...), but G[:d, :d] is not a
-        # contiguous array, which the in-place BLAS kernels need; going through
-        # a d x d temporary would cost d^2 memory (537 MB for the DCNN's
-        # classifier) and a second pass. Instead [x, 1] is built chunk by chunk
-        # in one reusable buffer whose last column is set to 1 once: the copy
-        # is O(B d), negligible next to the O(B d^2) syrk, memory stays bounded
-        # by scratch_bytes, and each chunk is a single syrk + gemm on exactly
-        # the matrix the ridge problem is defined on.
-        row_bytes = n_in * x.dtype.itemsize
-        rows = max(1, min(B, _DENSE_CHUNK_ROWS, scratch_bytes // row_bytes))
-        buf = np.empty((rows, n_in), dtype=x.dtype)
-        buf[:, d] = 1
-        for start in range(0, B, rows):
-            r = min(rows, B - start)
-            np.copyto(buf[:r, :d], x[start:start + r])
-            A = buf[:r]
-            fastls.gram_update(G, A)
-            fastls.cross_update(C, A, z[start:start + r])
+            return x
+        A = np.empty((x.shape[0], x.shape[1] + 1), dtype=x.dtype)
+        A[:, :-1] = x
+        A[:, -1] = 1
+        return A
 
     def pre_activation(self, x):
         """x @ W[:d] + W[d].
@@ -763,8 +786,9 @@ class Conv2d(TrainableLayer):
 
         P has one row per (image, output position): the (ky, kx, channel)
         patch with a 1 appended when ``bias``. T repeats each image's target
-        at every output position. Patches are built in chunks of at most
-        ``scratch_bytes`` by :func:`fastls.conv_gram_update`, never all at once.
+        at every output position. :class:`fastls.ConvStats` never builds P
+        whole; on stride-1 maps with enough channels it uses the overlap of
+        the patches (exact, fewer multiply-adds).
 
         Parameters
         ----------
@@ -777,16 +801,31 @@ class Conv2d(TrainableLayer):
             target per output position. Cast to the dtype of x.
         scratch_bytes : int, default=64 MiB
         """
-        x = self._ls_input(x, 4, "(B, H, W, C)")
+        super().accumulate(G, C, x, z, scratch_bytes=scratch_bytes)
+
+    def _statistics_kernel(self, G, C, scratch_bytes):
+        return _ConvKernel(self, G, C, scratch_bytes)
+
+    _INPUT_NDIM, _INPUT_WHAT = 4, "(B, H, W, C)"
+
+    def _target_shapes(self, x):
         B = x.shape[0]
-        n_in = self._n_inputs(x.shape[1:])
         oh, ow, _ = self.output_shape(x.shape[1:])
-        z = self._ls_target(z, B, x.dtype, [(B, self.filters), (B, oh, ow, self.filters)])
-        self._check_stats(G, C, n_in)
-        scratch_bytes = _positive_int("scratch_bytes", scratch_bytes)
-        if B == 0:
-            return
-        fastls.conv_gram_update(G, C, x, z, self.kernel_size, scratch_bytes=scratch_bytes, **self._conv_kwargs())
+        return [(B, self.filters), (B, oh, ow, self.filters)]
+
+    def ls_rows(self, x):
+        x = self._ls_input(x, 4, "(B, H, W, C)")
+        return fastls.im2col(x, self.kernel_size, **self._conv_kwargs())
+
+    def rows_per_sample(self, input_shape):
+        oh, ow, _ = self.output_shape(input_shape)
+        return oh * ow
+
+    def gram_flops(self, input_shape, n_samples):
+        im2col_macs, overlap_macs = fastls.conv_stats_cost(input_shape, self.kernel_size, stride=self.stride,
+                                                           padding=self.padding)
+        pick = fastls.conv_stats_method(input_shape, self.kernel_size, stride=self.stride, padding=self.padding)
+        return 2.0 * n_samples * (overlap_macs if pick == "overlap" else im2col_macs)
 
     def pre_activation(self, x, *, scratch_bytes=DEFAULT_SCRATCH_BYTES):
         """The convolution (plus bias), NHWC.
@@ -821,6 +860,96 @@ class Conv2d(TrainableLayer):
             P = fastls.im2col(x[start:stop], self.kernel_size, **self._conv_kwargs())
             np.matmul(P, W, out=out[start:stop].reshape(-1, F))
         return out
+
+
+class _LayerStatistics:
+    """Checks each batch as the layer's ``accumulate`` did, then hands it to the layer's kernel."""
+
+    def __init__(self, layer, G, C, scratch_bytes):
+        self.layer = layer
+        self.G, self.C = G, C
+        self.scratch_bytes = _positive_int("scratch_bytes", scratch_bytes)
+        self._kernel = None
+
+    def update(self, x, z):
+        layer = self.layer
+        x = layer._ls_input(x, layer._INPUT_NDIM, layer._INPUT_WHAT)
+        z = layer._ls_target(z, x.shape[0], x.dtype, layer._target_shapes(x))
+        layer._check_stats(self.G, self.C, layer._n_inputs(x.shape[1:]))
+        if x.shape[0] == 0:
+            return self
+        if self._kernel is None:
+            self._kernel = layer._statistics_kernel(self.G, self.C, self.scratch_bytes)
+        self._kernel.update(x, z)
+        return self
+
+    def finish(self):
+        if self._kernel is not None:
+            self._kernel.finish()
+            self._kernel = None
+        return self.G, self.C
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.finish()
+        return False
+
+
+class _DenseKernel:
+    """[x, 1] chunk by chunk in one reusable buffer, one syrk + gemm per chunk.
+
+    The bias could be accumulated separately (G[:d, :d] += x^T x, G[:d, d]
+    += sum x, ...), but G[:d, :d] is not a contiguous array, which the
+    in-place BLAS kernels need. [x, 1] costs O(B d) copies next to the
+    O(B d^2) product and stays within scratch_bytes.
+    """
+
+    def __init__(self, layer, G, C, scratch_bytes):
+        self.bias, self.G, self.C, self.scratch_bytes = layer.bias, G, C, scratch_bytes
+
+    def update(self, x, z):
+        G, C = self.G, self.C
+        # gram_update checks x; z only needs its own (cheap, B x m) check.
+        if not np.isfinite(z).all():
+            raise ValueError("z contains NaN or Inf; expected finite targets")
+        if not self.bias:
+            fastls.gram_update(G, x)
+            fastls.cross_update(C, x, z, check_finite=False)
+            return
+        B, d = x.shape
+        rows = max(1, min(B, _DENSE_CHUNK_ROWS, self.scratch_bytes // ((d + 1) * x.dtype.itemsize)))
+        buf = np.empty((rows, d + 1), dtype=x.dtype)
+        buf[:, d] = 1
+        for start in range(0, B, rows):
+            r = min(rows, B - start)
+            np.copyto(buf[:r, :d], x[start:start + r])
+            fastls.gram_update(G, buf[:r])
+            fastls.cross_update(C, buf[:r], z[start:start + r], check_finite=False)
+
+    def finish(self):
+        pass
+
+
+class _ConvKernel:
+    """fastls.ConvStats, built at the first batch (its targets say per image or per position)."""
+
+    def __init__(self, layer, G, C, scratch_bytes):
+        self.layer, self.G, self.C, self.scratch_bytes = layer, G, C, scratch_bytes
+        self.stats = None
+
+    def update(self, x, z):
+        if self.stats is None:
+            self.stats = fastls.ConvStats(self.G, self.C, x.shape[1:], self.layer.kernel_size,
+                                          per_image_targets=z.ndim == 2, scratch_bytes=self.scratch_bytes,
+                                          **self.layer._conv_kwargs())
+        self.stats.update(x, z)
+
+    def finish(self):
+        if self.stats is not None:
+            self.stats.finish()
 
 
 #: Layer classes by config ``"type"``.

@@ -562,3 +562,62 @@ def test_model_from_layers_builds_what_it_is_told():
     assert model.input_shape_of(3) == (13 * 13 * 8,)
     assert model.n_parameters() == (9 + 1) * 8 + (13 * 13 * 8 + 1) * 10
     assert Model.from_config(model.config()).config() == model.config()
+
+
+# ---------------------------------------------------------------------------
+# The client's activation cache: one forward pass per layer and stage
+# ---------------------------------------------------------------------------
+
+def _small_cnn_client(rng, cache_ram_bytes, tmp_path, dtype=np.float64):
+    from fedlayer.client import Client
+    from fedlayer.data import ClientData
+
+    model = build_model("dcnn", (32, 32, 3), 4, width=1 / 64, dtype=dtype)
+    data = ClientData(rng.random((23, 32, 32, 3)), rng.integers(0, 4, 23), rng.random((9, 32, 32, 3)),
+                      rng.integers(0, 4, 9))
+    return Client(3, data, model.config(), 0, 4, cache_ram_bytes=cache_ram_bytes, cache_dir=tmp_path)
+
+
+@pytest.mark.parametrize("cache_ram_bytes", [0, 2**30])
+def test_client_cache_equals_recompute(rng, tmp_path, cache_ram_bytes):
+    """Statistics, personalization and accuracy through the cache equal a fresh forward pass."""
+    client = _small_cnn_client(rng, cache_ram_bytes, tmp_path)
+    reference = client.model.copy()
+    n_layers = len(client.model.trainable)
+    for position in range(n_layers):
+        result = client.local_stats(position, batch_size=5)
+        index = client.model.trainable[position]
+        layer = reference.layers[index]
+        x = reference.forward(client.data.x_train, stop=index)
+        G, C = np.zeros_like(result["G"]), np.zeros_like(result["C"])
+        layer.accumulate(G, C, x, client._targets(position, client.data.y_train))
+        assert_close(np.triu(result["G"]), np.triu(G), np.float64, x.shape[0])
+        assert_close(result["C"], C, np.float64, x.shape[0])
+        W = fastls.ridge_solve(G, C, 10.0)
+        client.set_weights(position, W)
+        reference.layers[index].set_weights(W)
+        evaluated = client.evaluate()
+        assert evaluated["correct"] == reference.accuracy(client.data.x_test, client.data.y_test)[0]
+    if cache_ram_bytes == 0:
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["client3_test_layer8.npy", "client3_train_layer7.npy"]
+    for position in range(n_layers):
+        result = client.personalize(position, 2500.0, batch_size=7)
+        assert result["method"] in ("primal", "dual")
+        index = client.model.trainable[position]
+        x = reference.forward(client.data.x_train, stop=index)
+        layer = reference.layers[index]
+        G, C = np.zeros(2 * (layer.ls_shape(x.shape[1:])[0],)), np.zeros(layer.ls_shape(x.shape[1:]))
+        layer.accumulate(G, C, x, client._targets(position, client.data.y_train))
+        W = fastls.proximal_solve(G, C, 2500.0, client.meta_weights[position])
+        assert_close(client.model.layers[index].weights, W, np.float64, G.shape[0])
+        reference.layers[index].set_weights(client.model.layers[index].weights)
+        assert client.evaluate()["correct"] == reference.accuracy(client.data.x_test, client.data.y_test)[0]
+
+
+def test_personalization_takes_the_dual_where_rows_are_few(rng, tmp_path):
+    client = _small_cnn_client(rng, 2**30, tmp_path)
+    for position in range(len(client.model.trainable)):
+        client.set_weights(position, client.model.layers[client.model.trainable[position]].weights)
+    # The classifier: 23 samples against 2 * 2 * 32 + 1 inputs; the first convolution: 23 * 784 patches of 76.
+    assert client.personalize(4, 2500.0, batch_size=8)["method"] == "dual"
+    assert client.personalize(0, 2500.0, batch_size=8)["method"] == "primal"
