@@ -550,9 +550,10 @@ class ConvStats:
 
     def _update_im2col(self, images, targets, mixed):
         kh, kw, sh, sw, ph, pw, out_h, out_w = self.geometry
-        d = self.G.shape[0]
+        d, m = self.G.shape[0], self.C.shape[1]
         itemsize = images.dtype.itemsize
-        tile_bytes = min(DEFAULT_TILE, d) ** 2 * 4 if mixed else 0
+        tile = min(DEFAULT_TILE, d)
+        tile_bytes = tile * max(tile, min(DEFAULT_TILE, m)) * 4 if mixed else 0
         row_bytes = d * itemsize
         per_img_rows = out_h * out_w
         per_image = self.per_image_targets

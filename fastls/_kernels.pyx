@@ -332,7 +332,8 @@ cdef _conv_stats(floating *G, bint g_rowmajor, int ldg,
     cdef floating *src
     cdef floating *acc
     if mixed:
-        tile_buf = <float *>malloc(min(tile, d) * min(tile, d) * sizeof(float))
+        # Big enough for a Gram tile and for a cross-term tile (m may exceed d).
+        tile_buf = <float *>malloc(min(tile, d) * max(min(tile, d), min(tile, m)) * sizeof(float))
         if tile_buf == NULL:
             raise MemoryError("cannot allocate the float32 tile")
     try:

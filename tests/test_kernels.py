@@ -168,10 +168,10 @@ def test_im2col_same_padding_keeps_size(rng):
 @pytest.mark.parametrize("shape,k,s,p", CONV_CASES)
 @pytest.mark.parametrize("per_image", [True, False])
 @pytest.mark.parametrize("scratch_rows", [1, 3, 1000])
-def test_conv_gram_update_matches_im2col(rng, images_dtype, g_dtype, shape, k, s, p, per_image, scratch_rows):
+@pytest.mark.parametrize("m", [4, 90])  # more targets than patch values too (a wide first convolution)
+def test_conv_gram_update_matches_im2col(rng, images_dtype, g_dtype, shape, k, s, p, per_image, scratch_rows, m):
     images = random(rng, shape, images_dtype)
     out_h, out_w = fastls.conv_output_shape(shape[1:3], k, s, p)
-    m = 4
     targets = random(rng, (shape[0], m) if per_image else (shape[0], out_h, out_w, m), images_dtype)
     P = reference_im2col(images.astype(np.float64), k, s, p, True)
     T = np.repeat(targets.astype(np.float64), out_h * out_w, axis=0) if per_image else targets.reshape(-1, m).astype(np.float64)
@@ -179,7 +179,7 @@ def test_conv_gram_update_matches_im2col(rng, images_dtype, g_dtype, shape, k, s
     G0, C0 = random(rng, (d, d), g_dtype, "F"), random(rng, (d, m), g_dtype)
     G, C = G0.copy(order="F"), C0.copy()
     itemsize = np.dtype(images_dtype).itemsize
-    tile = min(2048, d) ** 2 * 4 if images_dtype != g_dtype else 0
+    tile = min(2048, d) * max(d, m) * 4 if images_dtype != g_dtype else 0
     # A budget of about scratch_rows patch rows (plus the patch-sum rows).
     budget = tile + (scratch_rows + (scratch_rows // (out_h * out_w) + 3)) * d * itemsize
     fastls.conv_gram_update(G, C, images, targets, k, stride=s, padding=p, append_ones=True,
