@@ -1,11 +1,23 @@
-"""Fig. 6: CIFAR-10 with the DCNN for FedACnnL, -WA, pFedACnnL, -WC, -WP.
+"""Fig. 6: CIFAR-10 with the paper's DCNN for FedACnnL, -WA, pFedACnnL, -WC and -WP.
 
-    python experiments/fig6_cifar.py [--width 0.125] [--out docs/results]
+    python experiments/fig6_cifar.py [--width 1.0] [--algorithms ...] [--runs docs/results/fig6_runs] [--out docs/results]
 
-Writes fig6.json, fig6_accuracy.png and fig6.md (accuracy per round and the
-averaged total training time per client, next to the paper's numbers). As in
-the paper, algorithms without a personalization stage carry their final
-accuracy over the rounds the others spend personalizing.
+Each algorithm runs in a process of its own (its peak memory is its own),
+100 clients, Dirichlet beta = 0.1, gamma = 100, eps = 2500, K = 10, every
+client with 2 cores, float32 data with float64 statistics. A finished run is
+kept as ``RUNS/ALGORITHM.json`` and is not run again (``--redo`` forces it),
+so the five can be spread over several sessions; ``--report`` only rebuilds
+fig6.md and fig6_accuracy.png from the runs at hand.
+
+-WP is pFedACnnL before its personalization stage: its accuracy and times are
+those of pFedACnnL's initialization and federated rounds (the same
+computation, measured once). -WA runs by itself: its batch sizes differ, so
+its time must be measured, although its weights equal FedACnnL's.
+
+Per layer, the report sets the clients' forward and statistics time against
+a floor: the layer's multiply-adds (forward pass of the training data
+through the layer before, and the statistics by the method fastls picks) at
+the float32 gemm rate measured at the start of the same run.
 """
 
 from __future__ import annotations
@@ -13,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,120 +34,225 @@ from pathlib import Path
 import numpy as np
 
 import fastls
+from dev_layout import use_shared_data
 from fedlayer.models import build_model
 from fedlayer.run import RunConfig, load_dataset, run
+from fedlayer.timing import time_summary
 
-ALGORITHMS = ["fedacnnl", "fedacnnl-wa", "pfedacnnl-wp", "pfedacnnl-wc", "pfedacnnl"]
+RUN_ALGORITHMS = ["fedacnnl", "fedacnnl-wa", "pfedacnnl", "pfedacnnl-wc"]
+REPORTED = ["fedacnnl", "fedacnnl-wa", "pfedacnnl-wp", "pfedacnnl-wc", "pfedacnnl"]
 PAPER = {"fedacnnl": 70.06, "pfedacnnl-wp": 74.03, "pfedacnnl-wc": 72.88, "pfedacnnl": 74.40}
+PAPER_FEDAVG = 73.0
 
 
-def gram_flops(model, n_train):
-    """sum over trainable layers of (rows of its least-squares input) x d^2."""
-    total = 0.0
-    for index in model.trainable:
-        shape = model.input_shape_of(index)
-        layer = model.layers[index]
-        d, _ = layer.ls_shape(shape)
-        positions = int(np.prod(layer.output_shape(shape)[:-1])) if len(shape) == 3 else 1
-        total += n_train * positions * d * d
-    return total
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=float, default=0.125)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="docs/results")
-    parser.add_argument("--algorithms", nargs="+", default=ALGORITHMS)
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-
-    base = RunConfig(dataset="cifar10", model="dcnn", width=args.width, dtype="float32", seed=args.seed)
-    try:
-        dataset = load_dataset(base)
-    except FileNotFoundError as err:
-        print(f"CIFAR-10 not found, nothing to do: {err}", file=sys.stderr)
-        return 1
-    n_train = sum(c.n_train for c in dataset.clients)
-    runs = {}
-    for algorithm in args.algorithms:
-        config = RunConfig(algorithm=algorithm, dataset="cifar10", model="dcnn", width=args.width, dtype="float32",
-                           seed=args.seed)
+def gemm_rate(n=4096, repeats=3):
+    """float32 gemm flops per second on this machine now (2 n^3 flops per product, best of ``repeats``)."""
+    rng = np.random.default_rng(0)
+    A, B = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    best = float("inf")
+    for _ in range(repeats):
         start = time.perf_counter()
-        results = run(config, dataset=dataset, progress=lambda msg: print(f"  {algorithm}: {msg}", flush=True))
-        results.pop("group_weights")
-        runs[algorithm] = results
-        print(f"{algorithm}: accuracy {results['accuracy']:.4f}, wall {time.perf_counter() - start:.0f} s", flush=True)
-    with open(out / "fig6.json", "w") as f:
-        json.dump(runs, f, indent=1)
+        A @ B
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n ** 3 / best
 
-    # Measured rate -> full-width estimate (the Gram flops dominate).
+
+def config_for(algorithm, args, output=None):
+    return RunConfig(algorithm=algorithm, dataset="cifar10", model="dcnn", width=args.width, dtype="float32",
+                     seed=args.seed, cores=[2], output=output)
+
+
+def run_one(algorithm, args):
+    """Run one algorithm in this process; write RUNS/ALGORITHM.json."""
+    runs = Path(args.runs)
+    rate = gemm_rate()
+    config = config_for(algorithm, args, output=str(Path(args.work) / algorithm))
+    dataset = load_dataset(config)
+    start = time.perf_counter()
+    results = run(config, dataset=dataset, progress=lambda msg: print(f"  {algorithm}: {msg}", flush=True))
+    results.pop("group_weights", None)
+    results["fig6"] = {
+        "wall_s": time.perf_counter() - start,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "gemm_float32_flops_per_s": rate,
+        "width": args.width,
+        "machine": f"{platform.machine()}, {fastls.available_cores()} cores",
+        "command": " ".join(["python", "experiments/fig6_cifar.py", *sys.argv[1:]]),
+    }
+    (runs / f"{algorithm}.json").write_text(json.dumps(results, indent=1))
+    print(f"{algorithm}: accuracy {results['accuracy']:.4f}, wall {results['fig6']['wall_s']:.0f} s", flush=True)
+
+
+def layer_work(model, n_train):
+    """Per trainable position: (forward flops of the training data into it, statistics flops)."""
+    work = []
+    for position, index in enumerate(model.trainable):
+        previous = model.trainable[position - 1] if position else None
+        forward = 0.0
+        if previous is not None:
+            layer = model.layers[previous]
+            shape = model.input_shape_of(previous)
+            d, m = layer.ls_shape(shape)
+            forward = 2.0 * n_train * layer.rows_per_sample(shape) * d * m
+        shape = model.input_shape_of(index)
+        work.append((forward, model.layers[index].gram_flops(shape, n_train)))
+    return work
+
+
+def without_personalization(results):
+    """-WP: pFedACnnL's rounds up to the end of its federated stage."""
+    rounds = {k: r for k, r in results["rounds"].items() if r["stage"] != "personalization"}
+    federated = [r for r in rounds.values() if r["accuracy"] is not None]
+    return {**results, "rounds": rounds, "accuracy": federated[-1]["accuracy"],
+            "time_per_client": time_summary(rounds.values()),
+            "fig6": {**results["fig6"], "wall_s": None, "derived": "pfedacnnl before personalization"}}
+
+
+def report(args):
+    runs_dir, out = Path(args.runs), Path(args.out)
+    runs = {a: json.loads((runs_dir / f"{a}.json").read_text()) for a in RUN_ALGORITHMS
+            if (runs_dir / f"{a}.json").exists()}
+    if "pfedacnnl" in runs:
+        runs["pfedacnnl-wp"] = without_personalization(runs["pfedacnnl"])
+    runs = {a: runs[a] for a in REPORTED if a in runs}
+    if not runs:
+        print(f"no runs in {runs_dir}: nothing to report", file=sys.stderr)
+        return 1
+    dataset = load_dataset(config_for("fedacnnl", args))
+    n_train = sum(c.n_train for c in dataset.clients)
     model = build_model("dcnn", dataset.feature_shape, dataset.n_classes, width=args.width)
-    full = build_model("dcnn", dataset.feature_shape, dataset.n_classes, width=1.0)
-    flops_here, flops_full = gram_flops(model, n_train), gram_flops(full, n_train)
-    first = next(iter(runs.values()))
-    compute_here = sum(sum(c["compute_s"] for c in r["clients"].values())
-                       for r in first["rounds"].values() if r["stage"] == "federated")
-    rate = flops_here / compute_here
+    shapes = [model.layers[i].ls_shape(model.input_shape_of(i)) for i in model.trainable]
+    work = layer_work(model, n_train)
+    any_run = next(iter(runs.values()))["fig6"]
+
+    lines = [
+        "# Fig. 6: CIFAR-10, DCNN",
+        "",
+        f"Command: `python experiments/fig6_cifar.py --width {args.width} --seed {args.seed}` on "
+        f"{any_run['machine']}; 100 clients, Dirichlet beta = 0.1, gamma = 100, eps = 2500, K = 10, every client "
+        f"2 cores, float32 data with float64 statistics. DCNN width x{args.width}: least-squares shapes "
+        f"{', '.join(str(s) for s in shapes)}; {n_train} training images. Algorithms missing below have not "
+        f"been run yet (each run is kept in `{runs_dir}/ALGORITHM.json`).",
+        "",
+        "| algorithm | final accuracy (%) | paper (%) | avg total time per client (s) | compute | idle | comm | "
+        "wall (s) | peak RSS (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for algorithm, results in runs.items():
+        t, f = results["time_per_client"], results["fig6"]
+        wall = f"{f['wall_s']:.0f}" if f.get("wall_s") else "(in pfedacnnl)"
+        lines.append(
+            f"| {algorithm} | {100 * results['accuracy']:.2f} | {PAPER.get(algorithm, '-')} | {t['total_s']:.1f} | "
+            f"{t['compute_s']:.1f} | {t['idle_s']:.1f} | {t['comm_s']:.3f} | {wall} | "
+            f"{f['peak_rss_bytes'] / 2**30:.2f} |")
+    lines += ["", f"FedAvg in the paper: {PAPER_FEDAVG} %.", ""]
 
     curves = {}
     for algorithm, results in runs.items():
         accs = [r["accuracy"] for r in results["rounds"].values() if r["accuracy"] is not None]
-        curves[algorithm] = accs + [accs[-1]] * (10 - len(accs)) if len(accs) < 10 else accs
-    lines = [
-        "# Fig. 6: CIFAR-10, DCNN",
-        "",
-        f"Command: `python experiments/fig6_cifar.py --width {args.width} --seed {args.seed}` on {platform.machine()}, "
-        f"{fastls.available_cores()} cores; 100 clients, Dirichlet beta = 0.1, gamma = 100, eps = 2500, K = 10, "
-        f"float32 data with float64 statistics. DCNN channel width x{args.width} "
-        f"({', '.join(str(model.layers[i].ls_shape(model.input_shape_of(i))) for i in model.trainable)} "
-        f"least-squares shapes).",
-        "",
-        "| algorithm | final accuracy (%) | paper (%) | avg total time per client (s) | compute | idle | comm | wall (s) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for algorithm, results in runs.items():
-        t = results["time_per_client"]
-        paper = PAPER.get(algorithm)
-        lines.append(f"| {algorithm} | {100 * results['accuracy']:.2f} | {paper if paper else '-'} | "
-                     f"{t['total_s']:.2f} | {t['compute_s']:.2f} | {t['idle_s']:.2f} | {t['comm_s']:.4f} | "
-                     f"{results['wall_s']:.0f} |")
+        curves[algorithm] = accs + [accs[-1]] * (10 - len(accs))
+    width = max(len(c) for c in curves.values())
     lines += [
+        "Accuracy per round (%); algorithms without personalization carry their final accuracy over the rounds "
+        "the others spend personalizing, as in the paper:",
         "",
-        "Accuracy per round (rounds after the last trained layer repeat the final accuracy for "
-        "algorithms without personalization, as in the paper):",
-        "",
-        "| algorithm | " + " | ".join(str(i + 1) for i in range(max(len(c) for c in curves.values()))) + " |",
-        "|---" * (1 + max(len(c) for c in curves.values())) + "|",
+        "| algorithm | " + " | ".join(str(i + 1) for i in range(width)) + " |",
+        "|---" * (1 + width) + "|",
     ]
     lines += [f"| {a} | " + " | ".join(f"{100 * v:.1f}" for v in c) + " |" for a, c in curves.items()]
+
+    for algorithm, results in runs.items():
+        if results["fig6"].get("derived"):
+            continue
+        rate = results["fig6"]["gemm_float32_flops_per_s"]
+        lines += [
+            "",
+            f"### {algorithm}: time per layer, summed over the clients (float32 gemm measured at "
+            f"{rate / 1e9:.0f} GFLOP/s at the start of the run)",
+            "",
+            "| stage | layer | forward s | statistics s | client solve s | floor s | clients / floor | "
+            "server solve s | evaluation s |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for record in results["rounds"].values():
+            if record["stage"] == "initialization":
+                continue
+            position = record["layer"]
+            parts = [c.get("parts", {}) for c in record["clients"].values()]
+            forward, stats, solve = (sum(p.get(k, 0.0) for p in parts) for k in ("forward_s", "stats_s", "solve_s"))
+            floor = sum(work[position]) / rate
+            ratio = (forward + stats) / floor if floor else float("nan")
+            lines.append(
+                f"| {record['stage']} | {position + 1} | {forward:.1f} | {stats:.1f} | {solve:.1f} | {floor:.1f} | "
+                f"{ratio:.2f} | {record['server_s']:.1f} | {record.get('eval_s', 0.0):.1f} |")
     lines += [
         "",
-        f"Full width: the Gram flops grow from {flops_here / 1e12:.2f} to {flops_full / 1e12:.1f} TFLOP. At the "
-        f"rate measured here ({rate / 1e9:.0f} GFLOP/s summed over the clients' compute time, "
-        f"under their 1-2 core limits) one full-width FedACnnL run needs about {flops_full / rate / 3600:.1f} h of "
-        f"client compute on this machine.",
+        "The floor counts the forward pass into the layer (2 N P d m) and the statistics by the method fastls "
+        "picks (the overlap's displacement products on stride-1 maps, else N P d^2) at the float32 gemm rate; "
+        "solves run in float64 and are not in it. Personalization rounds also redo the statistics (primal) or "
+        "build the patch rows (dual) through the client's own earlier layers.",
     ]
     (out / "fig6.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    plot(curves, out / "fig6_accuracy.png", args.width)
+    return 0
 
+
+def plot(curves, path, width):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6.5, 4))
     for algorithm, curve in curves.items():
         ax.plot(range(1, len(curve) + 1), [100 * v for v in curve], marker="o", label=algorithm)
+    for algorithm, value in PAPER.items():
+        if algorithm in curves:
+            ax.axhline(value, ls=":", lw=0.8, color=ax.lines[list(curves).index(algorithm)].get_color())
+    ax.set_xticks(range(1, max(len(c) for c in curves.values()) + 1))
     ax.set_xlabel("round")
     ax.set_ylabel("overall test accuracy (%)")
-    ax.set_title(f"CIFAR-10, DCNN width x{args.width}")
-    ax.legend()
+    ax.set_title(f"CIFAR-10, DCNN width x{width} (dotted: the paper's final accuracy)")
+    ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "fig6_accuracy.png", dpi=120)
-    return 0
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--algorithms", nargs="+", default=RUN_ALGORITHMS, choices=RUN_ALGORITHMS)
+    parser.add_argument("--runs", default="docs/results/fig6_runs", help="folder of the per-algorithm results")
+    parser.add_argument("--work", default="results/fig6",
+                        help="the runs' output folders: models, checkpoints, cached activations (tens of GB)")
+    parser.add_argument("--out", default="docs/results", help="folder of fig6.md and fig6_accuracy.png")
+    parser.add_argument("--redo", action="store_true", help="run again algorithms already in --runs")
+    parser.add_argument("--report", action="store_true", help="only rebuild the report from --runs")
+    parser.add_argument("--one", choices=RUN_ALGORITHMS, help=argparse.SUPPRESS)  # the child process
+    args = parser.parse_args()
+    use_shared_data()
+    Path(args.runs).mkdir(parents=True, exist_ok=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.one:
+        run_one(args.one, args)
+        return 0
+    if not args.report:
+        try:
+            load_dataset(config_for("fedacnnl", args))
+        except FileNotFoundError as err:
+            print(f"CIFAR-10 not found, nothing to run: {err}", file=sys.stderr)
+            return 1
+        for algorithm in args.algorithms:
+            if (Path(args.runs) / f"{algorithm}.json").exists() and not args.redo:
+                print(f"{algorithm}: kept from {args.runs} (--redo runs it again)", flush=True)
+                continue
+            child = [sys.executable, __file__, "--one", algorithm, "--width", str(args.width), "--seed",
+                     str(args.seed), "--runs", args.runs, "--work", args.work, "--out", args.out]
+            subprocess.run(child, check=True)
+    return report(args)
 
 
 if __name__ == "__main__":

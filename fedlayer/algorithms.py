@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pathlib import Path
+
 import numpy as np
 
 from ._validation import Options, check_param
@@ -103,7 +105,9 @@ class AnalyticAlgorithm(Algorithm):
             raise ValueError(f"groups (K={config.groups}) cannot exceed the number of clients ({config.clients})")
 
     def make_client(self, cid, data, config, n_classes, model_config, cores):
-        return Client(cid, data, model_config, config.seed, n_classes, cores, np.float64)
+        # Activations too large for RAM go under the run's output folder (else a temporary one).
+        cache_dir = Path(config.output) / "activations" if config.output else None
+        return Client(cid, data, model_config, config.seed, n_classes, cores, np.float64, cache_dir=cache_dir)
 
     def train(self, config, transport, model, clock, progress):
         resume_state = None

@@ -20,7 +20,13 @@ import fastls
 from .data import ClientData, one_hot
 from .models import Model
 
-__all__ = ["Client", "label_encoders", "encoder_for_clustering", "init_weights"]
+__all__ = ["Client", "label_encoders", "encoder_for_clustering", "init_weights", "CLIENT_SCRATCH_BYTES"]
+
+#: A client computes one layer's statistics at a time, so it can afford more
+#: than fastls's default chunk: on the DCNN's 4 x 4 x 2048 map, 256 MiB takes a
+#: client's ~450 images in one pass of thicker products (measured 4.4 s
+#: against 5.1 s for 375 images at 64 MiB).
+CLIENT_SCRATCH_BYTES = 4 * fastls.DEFAULT_SCRATCH_BYTES
 
 
 def label_encoders(seed, n_classes, widths):
@@ -67,6 +73,11 @@ def init_weights(model, seed):
         layer.set_weights(rng.standard_normal((n_in, n_out)) / np.sqrt(n_in))
 
 
+def _remove_files(paths):
+    for path in list(paths):
+        path.unlink(missing_ok=True)
+
+
 class Client:
     """One federated client.
 
@@ -85,8 +96,8 @@ class Client:
         ``fastls.limit_cores(cores)`` (the paper's 1-4-core edge devices).
     stat_dtype : numpy dtype, default float64
         dtype of the uploaded statistics X^T X and X^T Z.
-    scratch_bytes : int
-        Working memory bound for convolution statistics.
+    scratch_bytes : int, default=CLIENT_SCRATCH_BYTES (256 MiB)
+        Working memory bound for convolution statistics and forward chunks.
     cache_dir : path or None
         Where activations too large for RAM (over ``cache_ram_bytes``) are
         kept as memory-mapped ``.npy`` files; None: a temporary folder,
@@ -104,7 +115,7 @@ class Client:
     """
 
     def __init__(self, client_id, data: ClientData, model_config, seed, n_classes, cores=1,
-                 stat_dtype=np.float64, scratch_bytes=fastls.DEFAULT_SCRATCH_BYTES, cache_dir=None,
+                 stat_dtype=np.float64, scratch_bytes=CLIENT_SCRATCH_BYTES, cache_dir=None,
                  cache_ram_bytes=16 * 2**20):
         self.client_id = int(client_id)
         self.data = data
@@ -121,6 +132,8 @@ class Client:
         self.cache_ram_bytes = int(cache_ram_bytes)
         self._cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._activations = {}  # split -> (layer index whose input it is, array or .npy path)
+        self._files = set()     # .npy files of this client, removed when it is dropped or collected
+        weakref.finalize(self, _remove_files, self._files)
         self._evaluated_upto = 0  # layers[:k] hold the weights evaluation should cache through
         # The first core limit in a process builds threadpoolctl's controller
         # (it inspects every loaded library); do it now, outside the timed rounds.
@@ -176,12 +189,14 @@ class Client:
             weakref.finalize(self, shutil.rmtree, self._cache_dir, True)
         self._cache_dir.mkdir(parents=True, exist_ok=True)
         path = self._cache_dir / f"client{self.client_id}_{split}_layer{layer_index}.npy"
+        self._files.add(path)
         return np.lib.format.open_memmap(path, mode="w+", dtype=self.model.dtype, shape=shape)
 
     def _drop(self, split):
         _, stored = self._activations.pop(split, (0, None))
         if isinstance(stored, Path):
-            stored.unlink(missing_ok=True)
+            _remove_files({stored})
+            self._files.discard(stored)
 
     def _forward_rows(self, start, stop):
         """Samples per forward call: the widest activation of one call stays near scratch_bytes * 4."""

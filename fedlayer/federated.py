@@ -88,6 +88,14 @@ def _cluster(summaries, n_groups, seed):
     return {cid: int(label) for cid, label in zip(cids, labels)}
 
 
+def _timed_accuracy(log, transport):
+    """Overall test accuracy, its seconds kept in the round's log (evaluation is not training time)."""
+    start = time.perf_counter()
+    accuracy = overall_accuracy(transport)
+    log.eval_s = time.perf_counter() - start
+    return accuracy
+
+
 def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500.0, groups=10, seed=0,
                  batch_size=64, max_batch_size=1024, clock=Clock(), stat_dtype=np.float64, progress=None,
                  checkpoint=None, resume=None, fingerprint=None):
@@ -165,26 +173,32 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
     for position in range(layers_done, n_layers):
         log = RoundLog("federated", position, clock)
         log.batch = dict(batch)
-        sums = {}
-        args = {cid: {"position": position, "batch_size": batch[cid], "round_index": position} for cid in cids}
-        for cid, result in transport.call("local_stats", args):
-            log.arrived(cid, result["compute_s"], payload_bytes({"G": result["G"], "C": result["C"]}),
-                        result.get("mpi_recv_s"))
-            k = group_of[cid]
-            if k not in sums:
-                sums[k] = (np.zeros_like(result["G"], dtype=stat_dtype), np.zeros_like(result["C"], dtype=stat_dtype))
-            # Fold and drop: the server never holds more than one client's statistics.
-            A0, A1 = sums[k]
-            A0 += result["G"]
-            A1 += result["C"]
-            del result
-        start = time.perf_counter()
         weights = {}
-        for k, (A0, A1) in sums.items():
-            weights[k] = np.ascontiguousarray(fastls.ridge_solve(A0, A1, gamma, overwrite_g=True, overwrite_c=True))
+        # One group at a time: the server holds one group's sums and one
+        # client's statistics (at full DCNN width a layer's G is 2.7 GB, so
+        # ten groups' sums at once would not fit in memory).
+        for k in range(n_groups):
+            members = [cid for cid in cids if group_of[cid] == k]
+            args = {cid: {"position": position, "batch_size": batch[cid], "round_index": position} for cid in members}
+            G_sum = C_sum = None
+            for cid, result in transport.call("local_stats", args):
+                log.arrived(cid, result["compute_s"], payload_bytes({"G": result["G"], "C": result["C"]}),
+                            result.get("mpi_recv_s"), parts=result.get("parts"))
+                if G_sum is None:
+                    G_sum = np.zeros_like(result["G"], dtype=stat_dtype)
+                    C_sum = np.zeros_like(result["C"], dtype=stat_dtype)
+                # Fold and drop: the server never holds more than one client's statistics.
+                G_sum += result["G"]
+                C_sum += result["C"]
+                del result
+            if G_sum is None:
+                continue
+            start = time.perf_counter()
+            weights[k] = np.ascontiguousarray(fastls.ridge_solve(G_sum, C_sum, gamma, overwrite_g=True,
+                                                                 overwrite_c=True))
+            del G_sum, C_sum
             group_weights[k].append(weights[k])
-        del sums
-        log.server_s = time.perf_counter() - start
+            log.server_s += time.perf_counter() - start
         # Durations of this round drive the next round's batch sizes (eq. 7).
         durations = {cid: log.compute[cid] + log.up[cid] for cid in cids}
         first_durations = first_durations or durations
@@ -193,7 +207,7 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         set_args = {cid: {"position": position, "weights": weights[group_of[cid]]} for cid in cids}
         for cid, _ in transport.call("set_weights", set_args):
             log.sent(cid, weights[group_of[cid]].nbytes + 8)  # the weights and the next batch size
-        rounds.append(log.record(overall_accuracy(transport)))
+        rounds.append(log.record(_timed_accuracy(log, transport)))
         if checkpoint is not None:
             from .checkpoint import save_checkpoint
 
@@ -208,9 +222,9 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
             log = RoundLog("personalization", position, clock)
             args = {cid: {"position": position, "eps": eps, "batch_size": max_batch[cid]} for cid in cids}
             for cid, result in transport.call("personalize", args):
-                log.arrived(cid, result["compute_s"], 0)
+                log.arrived(cid, result["compute_s"], 0, parts=result.get("parts"))
                 log.up[cid] = 0.0
-            rounds.append(log.record(overall_accuracy(transport)))
+            rounds.append(log.record(_timed_accuracy(log, transport)))
             if progress:
                 progress(f"layer {position + 1}/{n_layers} personalized, accuracy {rounds[-1]['accuracy']:.4f}")
 

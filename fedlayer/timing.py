@@ -58,12 +58,18 @@ class RoundLog:
 
     def __init__(self, stage, position, clock):
         self.stage, self.position, self.clock = stage, position, clock
-        self.compute, self.up, self.down, self.batch, self.measured = {}, {}, {}, {}, {}
+        self.compute, self.up, self.down, self.batch, self.measured, self.parts = {}, {}, {}, {}, {}, {}
         self.server_s = 0.0
+        self.eval_s = None
         self.up_bytes = self.down_bytes = 0
 
-    def arrived(self, cid, compute_s, up_bytes, measured_recv_s=None):
-        """Client ``cid`` finished after ``compute_s`` and uploaded ``up_bytes``."""
+    def arrived(self, cid, compute_s, up_bytes, measured_recv_s=None, parts=None):
+        """Client ``cid`` finished after ``compute_s`` and uploaded ``up_bytes``.
+
+        ``parts`` (optional) splits ``compute_s``, e.g. forward / statistics / solve seconds.
+        """
+        if parts:
+            self.parts[cid] = dict(parts)
         self.compute[cid] = compute_s
         self.up[cid] = self.clock.transfer(up_bytes)
         self.up_bytes += up_bytes
@@ -87,6 +93,7 @@ class RoundLog:
                 "arrival_s": arrival[cid],
                 **({"batch_size": self.batch[cid]} if cid in self.batch else {}),
                 **({"mpi_recv_s": self.measured[cid]} if cid in self.measured else {}),
+                **({"parts": self.parts[cid]} if cid in self.parts else {}),
             }
             for cid in self.compute
         }
@@ -95,6 +102,7 @@ class RoundLog:
             "layer": self.position,
             "accuracy": accuracy,
             "server_s": self.server_s,
+            **({"eval_s": self.eval_s} if self.eval_s is not None else {}),
             "bytes_up": self.up_bytes,
             "bytes_down": self.down_bytes,
             "clients": clients,
