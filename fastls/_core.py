@@ -771,6 +771,31 @@ def _spd_solve(G, rhs, shift, shift_name, overwrite_g, on_failure, what):
     return np.asfortranarray(evecs @ (inv[:, None] * (evecs.T @ rhs)))
 
 
+RHS_BASIS_TOLERANCE = 1e-4
+
+
+def _basis_coordinates(name, A, basis, dtype):
+    """B with A = B @ basis for a full-row-rank basis (k, m), checked: A must lie in its row space."""
+    _check_array("rhs_basis", basis, 2)
+    if basis.shape[1] != A.shape[1] or basis.shape[0] >= basis.shape[1]:
+        raise ValueError(f"rhs_basis must have shape (k, m) with k < m = {A.shape[1]} columns of {name}, "
+                         f"got {basis.shape}")
+    Q = np.asarray(basis, dtype=dtype)
+    # B = A Q^+ with Q^+ = Q^T (Q Q^T)^-1: k x k normal equations, well posed for a full-row-rank Q.
+    B = scipy.linalg.solve(Q @ Q.T, Q @ np.asarray(A, dtype=dtype).T, assume_a="pos").T
+    scale = np.linalg.norm(A)
+    residual = np.linalg.norm(A - B @ Q)
+    if scale and residual > RHS_BASIS_TOLERANCE * scale:
+        raise ValueError(f"{name} is not in the row space of rhs_basis (relative residual {residual / scale:.2e} > "
+                         f"{RHS_BASIS_TOLERANCE:g}); solve without rhs_basis")
+    return np.asfortranarray(B), Q
+
+
+def _expand(W_coordinates, Q):
+    """(d, k) solution times the (k, m) basis, Fortran-ordered like the plain solves."""
+    return (Q.T @ W_coordinates.T).T
+
+
 def _check_system(G, C):
     _check_array("G", G, 2)
     _check_array("C", C, 2)
@@ -790,7 +815,8 @@ def _working_rhs(C, overwrite_c):
     return np.array(C, order="F", copy=True)
 
 
-def ridge_solve(G, C, gamma, *, overwrite_g=False, overwrite_c=False, on_failure="raise", check_finite=True):
+def ridge_solve(G, C, gamma, *, overwrite_g=False, overwrite_c=False, on_failure="raise", check_finite=True,
+                rhs_basis=None):
     """W = (G + gamma I)^-1 C by Cholesky (potrf/potrs), never an explicit inverse.
 
     Parameters
@@ -808,6 +834,12 @@ def ridge_solve(G, C, gamma, *, overwrite_g=False, overwrite_c=False, on_failure
         When G + gamma I is not positive definite: raise LinAlgError, or warn
         and solve by a symmetric eigendecomposition with a pseudo-inverse.
     check_finite : bool, default=True
+    rhs_basis : ndarray of shape (k, m), k < m, optional
+        A full-row-rank Q with C = B Q (e.g. targets encoded as Z = Y Q, so
+        X^T Z = (X^T Y) Q): the solve runs on the k columns of B = C Q^+ and
+        returns (G + gamma I)^-1 B Q, the same W for 2 d^2 k instead of
+        2 d^2 m flops of triangular solves. C must lie in Q's row space (to
+        a relative residual of ``RHS_BASIS_TOLERANCE``), else ValueError.
 
     Returns
     -------
@@ -815,11 +847,15 @@ def ridge_solve(G, C, gamma, *, overwrite_g=False, overwrite_c=False, on_failure
     """
     G, gamma = _check_solve(G, C, gamma, "gamma", "the ridge regularization", on_failure, overwrite_g,
                             check_finite)
+    if rhs_basis is not None:
+        B, Q = _basis_coordinates("C", C, rhs_basis, G.dtype)
+        return _expand(_spd_solve(G, B, gamma, "gamma", overwrite_g, on_failure, "ridge_solve"), Q)
     rhs = _working_rhs(C, overwrite_c)
     return _spd_solve(G, rhs, gamma, "gamma", overwrite_g, on_failure, "ridge_solve")
 
 
-def proximal_solve(G, C, eps, M, *, overwrite_g=False, overwrite_c=False, on_failure="raise", check_finite=True):
+def proximal_solve(G, C, eps, M, *, overwrite_g=False, overwrite_c=False, on_failure="raise", check_finite=True,
+                   rhs_basis=None):
     """W = (G + eps I)^-1 (C + eps M): the least-squares step pulled towards M.
 
     Solves argmin_W ||Z - X W||^2 + eps ||W - M||^2 given G = X^T X and
@@ -833,7 +869,8 @@ def proximal_solve(G, C, eps, M, *, overwrite_g=False, overwrite_c=False, on_fai
         Proximal weight.
     M : ndarray of shape (d, m)
         The weights to stay near (the group's meta-model).
-    overwrite_g, overwrite_c, on_failure, check_finite : as in :func:`ridge_solve`
+    overwrite_g, overwrite_c, on_failure, check_finite, rhs_basis : as in :func:`ridge_solve`
+        With ``rhs_basis``, C + eps M must lie in its row space.
 
     Returns
     -------
@@ -845,8 +882,11 @@ def proximal_solve(G, C, eps, M, *, overwrite_g=False, overwrite_c=False, on_fai
     G, eps = _check_solve(G, C, eps, "eps", "the proximal weight", on_failure, overwrite_g, check_finite)
     if check_finite:
         _check_finite("M", _as_input(M))
-    rhs = _working_rhs(C, overwrite_c)
+    rhs = _working_rhs(C, overwrite_c and rhs_basis is None)
     rhs += eps * M
+    if rhs_basis is not None:
+        B, Q = _basis_coordinates("C + eps M", rhs, rhs_basis, G.dtype)
+        return _expand(_spd_solve(G, B, eps, "eps", overwrite_g, on_failure, "proximal_solve"), Q)
     return _spd_solve(G, rhs, eps, "eps", overwrite_g, on_failure, "proximal_solve")
 
 
@@ -868,7 +908,7 @@ def proximal_cost(n, d, m, *, gram_flops=None):
             "dual": n * n * d + n ** 3 / 3 + 4 * n * d * m + 2 * n * n * m}
 
 
-def proximal_solve_dual(X, Z, eps, M, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
+def proximal_solve_dual(X, Z, eps, M, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True, rhs_basis=None):
     """W = M + X^T (X X^T + eps I)^-1 (Z - X M): :func:`proximal_solve` without G.
 
     The same minimizer of ||Z - X W||^2 + eps ||W - M||^2 by the Woodbury
@@ -887,10 +927,14 @@ def proximal_solve_dual(X, Z, eps, M, *, block_rows=DEFAULT_BLOCK_ROWS, check_fi
         Sets the dtype of the computation and of W.
     block_rows : int, default=4096
     check_finite : bool, default=True
+    rhs_basis : ndarray of shape (k, m), k < m, optional
+        A full-row-rank Q with Z = Y Q and M = M' Q (encoded targets and a
+        model fitted to them): everything after X X^T runs on k columns,
+        and W = (M' + X^T S') Q. Z and M must lie in Q's row space.
 
     Returns
     -------
-    W : ndarray of shape (d, m), C-ordered, dtype of M
+    W : ndarray of shape (d, m), dtype of M
     """
     _check_array("X", X, 2)
     _check_array("Z", Z, 2)
@@ -908,6 +952,11 @@ def proximal_solve_dual(X, Z, eps, M, *, block_rows=DEFAULT_BLOCK_ROWS, check_fi
         for name, A in (("X", X), ("Z", Z), ("M", M)):
             _check_finite(name, A)
     dtype = M.dtype
+    Q = None
+    if rhs_basis is not None:
+        Z, Q = _basis_coordinates("Z", Z, rhs_basis, dtype)
+        M, _ = _basis_coordinates("M", M, rhs_basis, dtype)
+        M = np.ascontiguousarray(M)
     K = np.zeros((n, n), dtype=dtype)
     gram_update(K, X.T, block_rows=block_rows, check_finite=False)   # X X^T, upper triangle
     # X M and X^T S in the dtype of M, over row slices of X cast at most
@@ -921,4 +970,4 @@ def proximal_solve_dual(X, Z, eps, M, *, block_rows=DEFAULT_BLOCK_ROWS, check_fi
     W = M.copy()
     for rows in slices:
         W += X[rows].astype(dtype, copy=False).T @ S[rows]
-    return W
+    return W if Q is None else W @ Q

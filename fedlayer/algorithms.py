@@ -20,7 +20,7 @@ import numpy as np
 from ._validation import Options, check_param
 from .baselines import BASELINES, PERSONALIZED, BaselineClient, baseline_hyper, run_baseline
 from .baselines.models import MODEL_HIDDEN
-from .client import Client
+from .client import Client, target_bases
 from .federated import VARIANTS, Variant, run_protocol
 
 __all__ = ["ALGORITHMS", "Algorithm", "AnalyticAlgorithm", "BaselineAlgorithm", "Outcome"]
@@ -123,7 +123,7 @@ class AnalyticAlgorithm(Algorithm):
             transport, n_layers, self.variant, gamma=config.gamma, eps=config.eps,
             groups=config.groups, seed=config.seed, batch_size=config.batch_size,
             max_batch_size=config.max_batch_size, clock=clock, progress=progress, checkpoint=checkpoint,
-            resume=resume_state, fingerprint=config.fingerprint(),
+            resume=resume_state, fingerprint=config.fingerprint(), target_bases=target_bases(model, config.seed),
         )
         group_of = {int(cid): k for cid, k in outcome["groups"].items()}
         group_weights = outcome["group_weights"]

@@ -7,6 +7,9 @@ so the same code runs in both.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
 import shutil
 import tempfile
 import time
@@ -20,7 +23,8 @@ import fastls
 from .data import ClientData, one_hot
 from .models import Model
 
-__all__ = ["Client", "label_encoders", "encoder_for_clustering", "init_weights", "CLIENT_SCRATCH_BYTES"]
+__all__ = ["Client", "label_encoders", "target_bases", "encoder_for_clustering", "init_weights",
+           "CLIENT_SCRATCH_BYTES"]
 
 #: A client computes one layer's statistics at a time, so it can afford more
 #: than fastls's default chunk: on the DCNN's 4 x 4 x 2048 map, 256 MiB takes a
@@ -49,6 +53,20 @@ def label_encoders(seed, n_classes, widths):
     return [rng.standard_normal((n_classes, width)) for width in widths[:-1]]
 
 
+def target_bases(model, seed):
+    """Per trainable layer, the basis its targets are encoded in: Q_l in the model dtype, None for the output.
+
+    Hidden-layer targets are Z_l = Y Q_l, so X^T Z_l = (X^T Y) Q_l and every
+    solve can run on the n_classes columns of its coordinates in Q_l (the
+    ``rhs_basis`` of the fastls solves).
+    """
+    widths = [model.layers[i].ls_shape(model.input_shape_of(i))[1] for i in model.trainable]
+    n_classes = widths[-1]
+    encoders = [Q.astype(model.dtype) for Q in label_encoders(seed, n_classes, widths)]
+    # A basis helps only when it is narrower than the layer.
+    return [Q if Q.shape[0] < Q.shape[1] else None for Q in encoders] + [None]
+
+
 def encoder_for_clustering(encoders, n_classes):
     """Q_enc: the encoder of the narrowest layer (eq. 8).
 
@@ -65,12 +83,49 @@ def init_weights(model, seed):
 
     FedACnnL replaces every layer's weights, so the initial ones only matter
     for the per-round accuracy of a model whose later layers are untrained.
+    The arrays are read-only and shared by every model of the same
+    configuration and seed in this process (250 MB for the full-width DCNN,
+    once, not once per client).
     """
+    for index, W in zip(model.trainable, _initial_weights(json.dumps(model.config(), sort_keys=True), seed)):
+        model.layers[index].set_weights(W)
+
+
+@functools.lru_cache(maxsize=4)
+def _initial_weights(config_json, seed):
+    model = Model.from_config(json.loads(config_json))
     rng = np.random.default_rng([seed, 0x1A])
+    weights = []
     for index in model.trainable:
-        layer = model.layers[index]
-        n_in, n_out = layer.ls_shape(model.input_shape_of(index))
-        layer.set_weights(rng.standard_normal((n_in, n_out)) / np.sqrt(n_in))
+        n_in, n_out = model.layers[index].ls_shape(model.input_shape_of(index))
+        weights.append(_read_only((rng.standard_normal((n_in, n_out)) / np.sqrt(n_in)).astype(model.dtype)))
+    return weights
+
+
+def _read_only(A):
+    A = np.ascontiguousarray(A)
+    A.flags.writeable = False
+    return A
+
+
+#: Server weights cast to a model dtype, shared by the clients of one process:
+#: id(server array) -> (weak reference to it, read-only cast).
+_SHARED_CASTS = {}
+
+
+def _shared_cast(W, dtype):
+    """A read-only W in ``dtype``, one copy per server array however many clients install it."""
+    if W.dtype == dtype and not W.flags.writeable and W.flags.c_contiguous:
+        return W
+    if W.flags.writeable:
+        return W  # somebody may still change it: the layer copies it
+    for key in [k for k, (ref, _) in _SHARED_CASTS.items() if ref() is None]:
+        del _SHARED_CASTS[key]
+    ref, cast = _SHARED_CASTS.get(id(W), (None, None))
+    if ref is None or ref() is not W:
+        cast = _read_only(W.astype(dtype))
+        _SHARED_CASTS[id(W)] = (weakref.ref(W), cast)
+    return cast
 
 
 def _remove_files(paths):
@@ -128,11 +183,13 @@ class Client:
         init_weights(self.model, self.seed)
         widths = [self.model.layers[i].ls_shape(self.model.input_shape_of(i))[1] for i in self.model.trainable]
         self.encoders = label_encoders(self.seed, self.n_classes, widths)
+        self.bases = target_bases(self.model, self.seed)
         self.meta_weights = {}  # position -> the group's meta-model weights, kept for personalization
         self.cache_ram_bytes = int(cache_ram_bytes)
         self._cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._activations = {}  # split -> (layer index whose input it is, array or .npy path)
         self._files = set()     # .npy files of this client, removed when it is dropped or collected
+        self._parked = {}       # layer index -> .npy file of its personalized weights (see _resident)
         weakref.finalize(self, _remove_files, self._files)
         self._evaluated_upto = 0  # layers[:k] hold the weights evaluation should cache through
         # The first core limit in a process builds threadpoolctl's controller
@@ -184,13 +241,45 @@ class Client:
         nbytes = int(np.prod(shape)) * self.model.dtype.itemsize
         if nbytes <= self.cache_ram_bytes:
             return np.empty(shape, dtype=self.model.dtype)
+        path = self._cache_path(f"{split}_layer{layer_index}")
+        return np.lib.format.open_memmap(path, mode="w+", dtype=self.model.dtype, shape=shape)
+
+    def _cache_path(self, name):
+        """A file of this client under the cache folder, removed with the client."""
         if self._cache_dir is None:
             self._cache_dir = Path(tempfile.mkdtemp(prefix=f"fedlayer-client{self.client_id}-"))
             weakref.finalize(self, shutil.rmtree, self._cache_dir, True)
         self._cache_dir.mkdir(parents=True, exist_ok=True)
-        path = self._cache_dir / f"client{self.client_id}_{split}_layer{layer_index}.npy"
+        path = self._cache_dir / f"client{self.client_id}_{name}.npy"
         self._files.add(path)
-        return np.lib.format.open_memmap(path, mode="w+", dtype=self.model.dtype, shape=shape)
+        return path
+
+    @contextlib.contextmanager
+    def _resident(self):
+        """Personalized weights parked on disk are in the model for the duration of one call.
+
+        A hundred simulated clients of the full-width DCNN would hold 25 GB of
+        personalized weights; between calls each client keeps its own on disk
+        (the weights it shares with its group stay in memory once).
+        """
+        layers = self.model.layers
+        for index, path in self._parked.items():
+            layers[index].set_weights(_read_only(np.load(path)))
+        try:
+            yield
+        finally:
+            for index in self._parked:
+                layers[index].weights = None
+
+    def _install_personal(self, layer_index, W):
+        layer = self.model.layers[layer_index]
+        layer.set_weights(W)
+        self._parked.pop(layer_index, None)
+        if layer.weights.nbytes > self.cache_ram_bytes:
+            path = self._cache_path(f"weights_layer{layer_index}")
+            np.save(path, layer.weights)
+            self._parked[layer_index] = path
+        self._weights_changed(layer_index)
 
     def _drop(self, split):
         _, stored = self._activations.pop(split, (0, None))
@@ -249,7 +338,7 @@ class Client:
             raise ValueError(f"client {self.client_id}: batch_size must be >= 1, got {batch_size}")
         rng = np.random.default_rng([self.seed, self.client_id, round_index])
         start = time.perf_counter()
-        with fastls.limit_cores(self.cores):
+        with self._resident(), fastls.limit_cores(self.cores):
             G, C, forward_s, stats_s = self._statistics(position, int(batch_size), rng)
         return {"G": G, "C": C, "n": self.data.n_train, "compute_s": time.perf_counter() - start,
                 "parts": {"forward_s": forward_s, "stats_s": stats_s}}
@@ -257,7 +346,7 @@ class Client:
     def set_weights(self, position, weights):
         """Replace layer ``position`` by the (group's) trained weights."""
         layer_index = self.model.trainable[position]
-        self.model.layers[layer_index].set_weights(weights)
+        self.model.layers[layer_index].set_weights(_shared_cast(weights, self.model.dtype))
         self._weights_changed(layer_index)
         self.meta_weights[position] = weights
         return {}
@@ -270,12 +359,22 @@ class Client:
         statistics, or the dual (Woodbury) from the layer's least-squares
         rows when the client has fewer rows than features.
         """
+        with self._resident():
+            W, result = self._personalize(position, eps, batch_size)
+            self._install_personal(self.model.trainable[position], np.ascontiguousarray(W, dtype=self.model.dtype))
+        return result
+
+    def _personalize(self, position, eps, batch_size):
+        """(W, result record) of :meth:`personalize`, timed; the weights are not installed yet."""
         layer_index = self.model.trainable[position]
         layer = self.model.layers[layer_index]
         input_shape = self.model.input_shape_of(layer_index)
         n_in, n_out = layer.ls_shape(input_shape)
         n_rows = self.data.n_train * layer.rows_per_sample(input_shape)
-        costs = fastls.proximal_cost(n_rows, n_in, n_out, gram_flops=layer.gram_flops(input_shape, self.data.n_train))
+        basis = self.bases[position]
+        # With encoded targets the right-hand sides have n_classes columns, not n_out.
+        n_rhs = n_out if basis is None else basis.shape[0]
+        costs = fastls.proximal_cost(n_rows, n_in, n_rhs, gram_flops=layer.gram_flops(input_shape, self.data.n_train))
         M = self.meta_weights[position].astype(self.stat_dtype, copy=False)
         start = time.perf_counter()
         with fastls.limit_cores(self.cores):
@@ -287,23 +386,26 @@ class Client:
                               layer.rows_per_sample(input_shape), axis=0)
                 stats_s = 0.0
                 solve_start = time.perf_counter()
-                W = fastls.proximal_solve_dual(A, Z, eps, M)
+                W = fastls.proximal_solve_dual(A, Z, eps, M, rhs_basis=basis)
                 method = "dual"
             else:
                 G, C, forward_s, stats_s = self._statistics(position, int(batch_size), None)
                 solve_start = time.perf_counter()
-                W = fastls.proximal_solve(G, C, eps, M, overwrite_g=True, overwrite_c=True)
+                W = fastls.proximal_solve(G, C, eps, M, overwrite_g=True, overwrite_c=True,
+                                          rhs_basis=basis)
                 method = "primal"
             solve_s = time.perf_counter() - solve_start
-        layer.set_weights(np.ascontiguousarray(W))
-        self._weights_changed(layer_index)
-        return {"compute_s": time.perf_counter() - start, "method": method,
-                "parts": {"forward_s": forward_s, "stats_s": stats_s, "solve_s": solve_s}}
+        return W, {"compute_s": time.perf_counter() - start, "method": method,
+                   "parts": {"forward_s": forward_s, "stats_s": stats_s, "solve_s": solve_s}}
 
     def evaluate(self, batch_size=4096):
         """(correct, total) of this client's current model on its local test split, in batches."""
         # Cache through the layers that hold this stage's weights; the rest
         # (not trained yet, or about to be replaced) run uncached.
+        with self._resident():
+            return self._evaluate(batch_size)
+
+    def _evaluate(self, batch_size):
         start_layer = self._evaluated_upto
         x = self._layer_inputs("test", start_layer)
         y = self.data.y_test
@@ -318,4 +420,5 @@ class Client:
 
     def final_weights(self):
         """Weights of every trainable layer (for checks and saving)."""
-        return {"weights": [self.model.layers[i].weights for i in self.model.trainable]}
+        with self._resident():
+            return {"weights": [self.model.layers[i].weights for i in self.model.trainable]}

@@ -98,7 +98,7 @@ def _timed_accuracy(log, transport):
 
 def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500.0, groups=10, seed=0,
                  batch_size=64, max_batch_size=1024, clock=Clock(), stat_dtype=np.float64, progress=None,
-                 checkpoint=None, resume=None, fingerprint=None):
+                 checkpoint=None, resume=None, fingerprint=None, target_bases=None):
     """Run one algorithm over ``transport``'s clients; returns the results record.
 
     Parameters
@@ -125,6 +125,11 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         layers are sent to the clients again instead of being trained.
     fingerprint : dict
         Identifies the configuration in checkpoints.
+    target_bases : list of (ndarray or None), optional
+        Per layer, the label encoder Q_l the clients' targets were made with
+        (Z_l = Y Q_l; None for the output layer). The server then solves on
+        the n_classes columns of C Q_l^+ instead of the d_l columns of C
+        (:func:`fastls.ridge_solve`'s ``rhs_basis``): the same weights.
 
     Returns
     -------
@@ -194,9 +199,12 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
             if G_sum is None:
                 continue
             start = time.perf_counter()
+            basis = target_bases[position] if target_bases else None
             weights[k] = np.ascontiguousarray(fastls.ridge_solve(G_sum, C_sum, gamma, overwrite_g=True,
-                                                                 overwrite_c=True))
+                                                                 overwrite_c=True, rhs_basis=basis))
             del G_sum, C_sum
+            # Read-only: clients in this process share it instead of copying it.
+            weights[k].flags.writeable = False
             group_weights[k].append(weights[k])
             log.server_s += time.perf_counter() - start
         # Durations of this round drive the next round's batch sizes (eq. 7).

@@ -479,13 +479,16 @@ class TrainableLayer(Layer):
             raise ValueError(f"{self!r} needs at least {1 + self.bias} weight rows, got {n_rows}")
 
     def set_weights(self, W):
-        """Install W (copied, C-contiguous, in :attr:`dtype`).
+        """Install W (copied, C-contiguous, in :attr:`dtype`; a read-only one is shared).
 
         Parameters
         ----------
         W : array_like of shape (n_inputs, n_outputs)
             Real numbers; the bias is the last row when ``bias`` is True.
-            n_inputs is checked against :attr:`input_shape` when known.
+            n_inputs is checked against :attr:`input_shape` when known. A
+            read-only C-contiguous array of the layer's dtype is installed
+            as it is, not copied: nobody can change it, and simulated clients
+            in one process then hold one copy of the weights they share.
         """
         W = np.asarray(W)
         if not (np.issubdtype(W.dtype, np.floating) or np.issubdtype(W.dtype, np.integer)):
@@ -500,6 +503,9 @@ class TrainableLayer(Layer):
                 )
         else:
             self._check_weight_rows(W.shape[0])
+        if W.dtype == self.dtype and W.flags.c_contiguous and not W.flags.writeable:
+            self.weights = W
+            return
         # A copy, so a caller reusing its solver output cannot change the model.
         self.weights = np.array(W, dtype=self.dtype, order="C", copy=True)
 

@@ -507,3 +507,41 @@ def test_gram_update_diagonal_check_refuses_overflow_and_nan(rng, dtype):
     with pytest.raises(ValueError, match="overflow"):
         fastls.gram_update(G, X)
     np.testing.assert_array_equal(G, G_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_solves_on_the_coordinates_of_an_rhs_basis(rng, dtype):
+    """Targets encoded as Z = Y Q: solving on k columns gives the same weights as on m."""
+    n, d, k, m = 300, 40, 3, 25
+    X = random(rng, (n, d), dtype)
+    Q = random(rng, (k, m), dtype)
+    Y = random(rng, (n, k), dtype)
+    Z = (Y @ Q).astype(dtype)
+    G, C = (X.T @ X).astype(dtype), (X.T @ Z).astype(dtype)
+    M = (random(rng, (d, k), dtype) @ Q).astype(dtype)
+    pairs = [
+        (fastls.ridge_solve(G, C, 5.0), fastls.ridge_solve(G, C, 5.0, rhs_basis=Q)),
+        (fastls.proximal_solve(G, C, 5.0, M), fastls.proximal_solve(G, C, 5.0, M, rhs_basis=Q)),
+        (fastls.proximal_solve_dual(X[:20], Z[:20], 5.0, M),
+         fastls.proximal_solve_dual(X[:20], Z[:20], 5.0, M, rhs_basis=Q)),
+    ]
+    for plain, on_basis in pairs:
+        assert on_basis.shape == plain.shape and on_basis.dtype == plain.dtype
+        assert_close(on_basis, plain, dtype, rtol=solve_tolerance(dtype, G, 5.0))
+
+
+def test_rhs_basis_must_span_the_right_hand_sides(rng):
+    G, C = spd_system(rng, 50, 6, 5, np.float64)
+    C_before = C.copy()
+    with pytest.raises(ValueError, match="not in the row space of rhs_basis"):
+        fastls.ridge_solve(G, C, 1.0, rhs_basis=rng.standard_normal((2, 5)))
+    with pytest.raises(ValueError, match=r"rhs_basis must have shape \(k, m\) with k < m = 5"):
+        fastls.ridge_solve(G, C, 1.0, rhs_basis=rng.standard_normal((5, 5)))
+    np.testing.assert_array_equal(C, C_before)
+
+
+def test_demo_says_which_side_was_faster():
+    from fastls.__main__ import _speed_phrase
+
+    assert _speed_phrase(2.0, 1.0) == "2.0x the time of fastls"
+    assert _speed_phrase(1.0, 2.0) == "2.0x faster than fastls here"

@@ -609,15 +609,42 @@ def test_client_cache_equals_recompute(rng, tmp_path, cache_ram_bytes):
         G, C = np.zeros(2 * (layer.ls_shape(x.shape[1:])[0],)), np.zeros(layer.ls_shape(x.shape[1:]))
         layer.accumulate(G, C, x, client._targets(position, client.data.y_train))
         W = fastls.proximal_solve(G, C, 2500.0, client.meta_weights[position])
-        assert_close(client.model.layers[index].weights, W, np.float64, G.shape[0])
-        reference.layers[index].set_weights(client.model.layers[index].weights)
+        personal = client.final_weights()["weights"][position]   # parked on disk between calls when RAM is 0
+        assert_close(personal, W, np.float64, G.shape[0])
+        reference.layers[index].set_weights(personal)
         assert client.evaluate()["correct"] == reference.accuracy(client.data.x_test, client.data.y_test)[0]
 
 
 def test_personalization_takes_the_dual_where_rows_are_few(rng, tmp_path):
     client = _small_cnn_client(rng, 2**30, tmp_path)
     for position in range(len(client.model.trainable)):
-        client.set_weights(position, client.model.layers[client.model.trainable[position]].weights)
+        stats = client.local_stats(position, batch_size=8)
+        client.set_weights(position, fastls.ridge_solve(stats["G"], stats["C"], 100.0,
+                                                        rhs_basis=client.bases[position]))
     # The classifier: 23 samples against 2 * 2 * 32 + 1 inputs; the first convolution: 23 * 784 patches of 76.
     assert client.personalize(4, 2500.0, batch_size=8)["method"] == "dual"
     assert client.personalize(0, 2500.0, batch_size=8)["method"] == "primal"
+
+
+def test_clients_share_weights_and_park_their_own(rng, tmp_path):
+    """One copy of the initial and of the server's weights per process; personalized ones live on disk."""
+    first = _small_cnn_client(rng, 0, tmp_path / "a")
+    second = _small_cnn_client(rng, 0, tmp_path / "b")
+    index = first.model.trainable[-1]
+    assert first.model.layers[index].weights is second.model.layers[index].weights
+    for position in range(len(first.model.trainable)):
+        stats = first.local_stats(position, batch_size=8)
+        W = fastls.ridge_solve(stats["G"], stats["C"], 100.0, rhs_basis=first.bases[position])
+        W = np.ascontiguousarray(W)
+        W.flags.writeable = False   # as the server sends it
+        first.set_weights(position, W)
+        second.set_weights(position, W)
+        assert first.model.layers[first.model.trainable[position]].weights is \
+            second.model.layers[first.model.trainable[position]].weights
+    before = first.evaluate()
+    first.personalize(len(first.model.trainable) - 1, 2500.0, batch_size=8)
+    assert first.model.layers[index].weights is None   # parked between calls
+    assert (tmp_path / "a" / f"client3_weights_layer{index}.npy").exists()
+    weights = first.final_weights()["weights"][-1]
+    assert weights.shape == W.shape and not np.array_equal(weights, W)
+    assert first.evaluate()["total"] == before["total"]
