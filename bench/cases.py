@@ -1,24 +1,32 @@
-"""Benchmark cases shared by the pytest-benchmark suite and the report script."""
+"""Benchmark cases shared by the pytest-benchmark suite (bench/) and the report (experiments/kernels_report.py).
+
+Every case has a full size (the targets of the issues are stated there) and a
+small size that the test suite runs once, untimed, as a check of the
+benchmarked code paths.
+"""
 
 import numpy as np
 import scipy.linalg.blas as blas
 
 import fastls
 
-# (N, d): MNIST input with its bias column, conv patches of 3x3x512 and 3x3x1024.
-GRAM_SHAPES = [(60000, 785), (20000, 4608), (5000, 9216)]
-# (channels, image side, batch): 3x3 'same' convolutions.
-CONV_CASES = [(64, 16, 256), (64, 14, 256), (512, 16, 48), (512, 14, 64)]
-SOLVE_SIZES = [785, 4608, 9216]
-THREADS = [1, 2]
-N_TARGETS = 64
+# Gram widths d = 65, 129, 785, 4609: the MNIST DNN's three layers (bias
+# included) and the DCNN's second convolution; N rows.
+GRAM_SHAPES = {"full": [(60000, 65), (60000, 129), (20000, 785), (8000, 4609)],
+               "small": [(512, 65), (512, 129)]}
+# The DCNN's convolutions after the first, at full width: (side, channels, images per call).
+CONV_LAYERS = {"full": [(14, 512, 64), (6, 1024, 64), (4, 2048, 64), (4, 2048, 450)],
+               "small": [(14, 32, 4), (6, 64, 4), (4, 128, 4)]}
+# (n rows, d features, m right-hand sides) of a personalization solve: the DCNN's classifier on one client.
+PROXIMAL_CASES = {"full": [(450, 8193, 10)], "small": [(30, 257, 10)]}
+SOLVE_SIZES = {"full": [785, 4609, 9217], "small": [65]}
+N_TARGETS = 10
 
 
 def random_matrix(shape, dtype, seed=0):
     rng = np.random.default_rng(seed)
     out = np.empty(shape, dtype=dtype)
-    # Fill in row blocks: a (60000, 785) float64 normal draw is cheap, a
-    # (5000, 9216) one in one go doubles peak memory for nothing.
+    # Filled in row blocks: a (60000, 785) float64 draw is cheap, a large one in one go doubles peak memory.
     for start in range(0, shape[0], 4096):
         out[start:start + 4096] = rng.standard_normal((min(4096, shape[0] - start), *shape[1:]))
     return out
@@ -30,44 +38,74 @@ def gram_flops(n, d):
 
 
 def gram_fastls(X, G):
+    """fastls.gram_update as users call it: with its finiteness check."""
     G[...] = 0
-    fastls.gram_update(G, X, check_finite=False)
+    fastls.gram_update(G, X)
     return G
 
 
 def gram_scipy(X, G):
-    # scipy's wrapper wants X^T X; pass the Fortran view to avoid a copy.
+    """SciPy's syrk into the same G (the BLAS floor: no check, no copy)."""
     syrk = blas.dsyrk if X.dtype == np.float64 else blas.ssyrk
-    return syrk(1.0, X.T, trans=0, lower=0)
+    G[...] = 0
+    return syrk(1.0, X.T, c=G, trans=0, lower=0, beta=1.0, overwrite_c=1)
 
 
-def gram_numpy(X, G):
-    return X.T @ X
-
-
-def conv_inputs(channels, side, batch, dtype, seed=0):
+def conv_inputs(side, channels, batch, seed=0):
+    """float32 maps and per-image targets, as a client of the float32 DCNN has them."""
     rng = np.random.default_rng(seed)
-    images = rng.standard_normal((batch, side, side, channels)).astype(dtype)
-    targets = rng.standard_normal((batch, N_TARGETS)).astype(dtype)
-    return images, targets
+    images = rng.standard_normal((batch, side, side, channels), dtype=np.float32)
+    return images, rng.standard_normal((batch, N_TARGETS), dtype=np.float32)
 
 
-def conv_streaming(images, targets, G, C, scratch_bytes=64 * 2**20):
+def conv_zeros(channels):
+    d = 9 * channels + 1
+    return np.zeros((d, d)), np.zeros((d, N_TARGETS))
+
+
+def conv_stats(images, targets, G, C, method):
+    """Float64 statistics of a 3x3 valid convolution with a bias column by ``method`` of fastls.ConvStats."""
     G[...] = 0
     C[...] = 0
-    fastls.conv_gram_update(G, C, images, targets, 3, padding=1, scratch_bytes=scratch_bytes, check_finite=False)
+    fastls.conv_gram_update(G, C, images, targets, 3, append_ones=True, method=method,
+                            scratch_bytes=4 * fastls.DEFAULT_SCRATCH_BYTES)
     return G, C
 
 
-def conv_im2col(images, targets, G, C):
-    """Reference: materialize the whole patch matrix, then syrk and gemm."""
+def conv_im2col_gram(images, targets, G, C):
+    """The reference of the issue: the whole patch matrix, then gram_update and cross_update."""
     G[...] = 0
     C[...] = 0
-    P = fastls.im2col(images, 3, padding=1)
+    P = fastls.im2col(images, 3, append_ones=True)
     per_image = P.shape[0] // images.shape[0]
-    fastls.gram_update(G, P, check_finite=False)
-    fastls.cross_update(C, P, np.repeat(targets, per_image, axis=0), check_finite=False)
+    fastls.gram_update(G, P)
+    fastls.cross_update(C, P, np.repeat(targets, per_image, axis=0))
     return G, C
+
+
+def conv_flops(side, channels, batch):
+    """Flops counted as N d^2 over the patch rows (the im2col count the rates are quoted in)."""
+    out = side - 2
+    return gram_flops(batch * out * out, 9 * channels + 1)
+
+
+def proximal_problem(n, d, m, seed=0):
+    """float32 rows X, targets Z and float64 meta-weights M."""
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((n, d), dtype=np.float32)
+    return X, rng.standard_normal((n, m), dtype=np.float32), rng.standard_normal((d, m))
+
+
+def proximal_primal(X, Z, M, eps=2500.0):
+    G = np.zeros((X.shape[1], X.shape[1]))
+    C = np.zeros((X.shape[1], Z.shape[1]))
+    fastls.gram_update(G, X)
+    fastls.cross_update(C, X, Z)
+    return fastls.proximal_solve(G, C, eps, M, overwrite_g=True, overwrite_c=True)
+
+
+def proximal_dual(X, Z, M, eps=2500.0):
+    return fastls.proximal_solve_dual(X, Z, eps, M)
 
 
 def spd_system(d, dtype, seed=0):

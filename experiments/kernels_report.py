@@ -1,9 +1,11 @@
-"""Measure the fastls kernels against their references in one run; print a markdown report.
+"""Time the fastls kernels against their references in one process; print a markdown report.
 
-    python experiments/kernels_report.py [--quick] [--out FILE]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python experiments/kernels_report.py [--repeat 3] [--out FILE]
 
-Every ratio compares implementations timed in the same process on the same
-data (best of ``--repeat`` runs). GFLOP/s counts N d^2 flops for a Gram.
+Every ratio compares two implementations timed in the same process, on the
+same data, interleaved, best of ``--repeat``; 2 BLAS threads unless stated.
+GFLOP/s count N d^2 for a Gram (N patch rows for a convolution), whichever
+method computed it.
 """
 
 from __future__ import annotations
@@ -12,149 +14,136 @@ import argparse
 import platform
 import sys
 import time
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
+import scipy.linalg
 
 import fastls
 
-# The report times the same cases as the pytest-benchmark files, which live in bench/.
+# The report times the cases of the pytest-benchmark files, which live in bench/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from cases import (  # noqa: E402
-    CONV_CASES,
+    CONV_LAYERS,
     GRAM_SHAPES,
+    PROXIMAL_CASES,
     SOLVE_SIZES,
-    THREADS,
-    conv_im2col,
+    conv_flops,
+    conv_im2col_gram,
     conv_inputs,
-    conv_streaming,
+    conv_stats,
+    conv_zeros,
     gram_fastls,
     gram_flops,
-    gram_numpy,
     gram_scipy,
+    proximal_dual,
+    proximal_primal,
+    proximal_problem,
     random_matrix,
     spd_system,
 )
 
 
-def best_time(fn, *args, repeat=3):
-    times = []
+def best_times(functions, repeat):
+    """Best time of each function, the functions interleaved round by round (drifts hit all alike)."""
+    best = {name: float("inf") for name in functions}
     for _ in range(repeat):
-        start = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for name, fn in functions.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
-def peak_bytes(fn, *args):
-    """Peak of NumPy/Python allocations during fn (tracemalloc sees NumPy buffers)."""
-    tracemalloc.start()
-    tracemalloc.reset_peak()
-    fn(*args)
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    return peak
-
-
-def gram_table(shapes, repeat):
-    rows = ["| N x d | threads | fastls f64 GFLOP/s | vs dsyrk | vs NumPy X.T@X | fastls f32 GFLOP/s | vs ssyrk "
-            "| f32->f64 GFLOP/s | f32->f64 / f64 |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for n, d in shapes:
+def gram_table(repeat):
+    rows = ["| N x d | f64 GFLOP/s | vs dsyrk | f32 GFLOP/s | vs ssyrk | f32->f64 GFLOP/s | f32->f64 / f64 |",
+            "|---|---|---|---|---|---|---|"]
+    for n, d in GRAM_SHAPES["full"]:
         X64 = random_matrix((n, d), np.float64)
         X32 = X64.astype(np.float32)
-        G64 = np.zeros((d, d), order="F")
-        G32 = np.zeros((d, d), np.float32, order="F")
-        flops = gram_flops(n, d)
-        for threads in THREADS:
-            with fastls.limit_cores(threads):
-                t = {
-                    "f64": best_time(gram_fastls, X64, G64, repeat=repeat),
-                    "dsyrk": best_time(gram_scipy, X64, G64, repeat=repeat),
-                    "numpy": best_time(gram_numpy, X64, G64, repeat=repeat),
-                    "f32": best_time(gram_fastls, X32, G32, repeat=repeat),
-                    "ssyrk": best_time(gram_scipy, X32, G32, repeat=repeat),
-                    "mixed": best_time(gram_fastls, X32, G64, repeat=repeat),
-                }
-            rate = {k: flops / v / 1e9 for k, v in t.items()}
-            rows.append(
-                f"| {n} x {d} | {threads} | {rate['f64']:.1f} | {t['dsyrk'] / t['f64']:.2f}x | "
-                f"{t['numpy'] / t['f64']:.2f}x | {rate['f32']:.1f} | {t['ssyrk'] / t['f32']:.2f}x | "
-                f"{rate['mixed']:.1f} | {t['f64'] / t['mixed']:.2f}x |"
-            )
-            print(rows[-1], flush=True)
-        del X64, X32, G64, G32
+        G64, G32, Gm = (np.zeros((d, d), dtype, order="F") for dtype in (np.float64, np.float32, np.float64))
+        t = best_times({
+            "f64": lambda: gram_fastls(X64, G64), "dsyrk": lambda: gram_scipy(X64, G64),
+            "f32": lambda: gram_fastls(X32, G32), "ssyrk": lambda: gram_scipy(X32, G32),
+            "mixed": lambda: gram_fastls(X32, Gm),
+        }, repeat)
+        rate = {k: gram_flops(n, d) / v / 1e9 for k, v in t.items()}
+        rows.append(f"| {n} x {d} | {rate['f64']:.1f} | {t['dsyrk'] / t['f64']:.2f}x | {rate['f32']:.1f} | "
+                    f"{t['ssyrk'] / t['f32']:.2f}x | {rate['mixed']:.1f} | {t['f64'] / t['mixed']:.2f}x |")
     return rows
 
 
-def conv_table(cases, repeat):
-    rows = ["| case | dtype | streaming s | im2col+syrk s | speed-up | streaming peak MiB | im2col peak MiB |",
-            "|---|---|---|---|---|---|---|"]
-    for channels, side, batch in cases:
-        for dtype in ("float32", "float64"):
-            images, targets = conv_inputs(channels, side, batch, dtype)
-            d = 9 * channels
-            G = np.zeros((d, d), dtype=dtype, order="F")
-            C = np.zeros((d, targets.shape[1]), dtype=dtype, order="F")
-            t_stream = best_time(conv_streaming, images, targets, G, C, repeat=repeat)
-            t_ref = best_time(conv_im2col, images, targets, G, C, repeat=repeat)
-            m_stream = peak_bytes(conv_streaming, images, targets, G, C) / 2**20
-            m_ref = peak_bytes(conv_im2col, images, targets, G, C) / 2**20
-            rows.append(
-                f"| 3x3, {channels} ch, {side}x{side}, B={batch} | {dtype} | {t_stream:.3f} | {t_ref:.3f} | "
-                f"{t_ref / t_stream:.2f}x | {m_stream:.1f} | {m_ref:.1f} |"
-            )
-            print(rows[-1], flush=True)
+def conv_table(repeat):
+    rows = ["| map (side x side x channels), images | d | auto picks | overlap s | im2col streamed s | "
+            "im2col + gram_update s | overlap speed-up | overlap GFLOP/s (N d^2) |",
+            "|---|---|---|---|---|---|---|---|"]
+    rates = {}
+    for side, channels, batch in CONV_LAYERS["full"]:
+        images, targets = conv_inputs(side, channels, batch)
+        G, C = conv_zeros(channels)
+        functions = {"overlap": lambda: conv_stats(images, targets, G, C, "overlap"),
+                     "im2col": lambda: conv_stats(images, targets, G, C, "im2col"),
+                     "im2col+gram": lambda: conv_im2col_gram(images, targets, G, C)}
+        t = best_times(functions, repeat)
+        rate = conv_flops(side, channels, batch) / t["overlap"] / 1e9
+        rates[(side, channels, batch)] = rate
+        rows.append(
+            f"| {side}x{side}x{channels}, {batch} | {9 * channels + 1} | "
+            f"{fastls.conv_stats_method((side, side, channels), 3)} | {t['overlap']:.2f} | {t['im2col']:.2f} | "
+            f"{t['im2col+gram']:.2f} | {t['im2col+gram'] / t['overlap']:.2f}x | {rate:.0f} |")
+    return rows, rates
+
+
+def proximal_table(repeat):
+    rows = ["| n x d, m | primal s | dual s | dual speed-up | cost model picks |", "|---|---|---|---|---|"]
+    for n, d, m in PROXIMAL_CASES["full"]:
+        X, Z, M = proximal_problem(n, d, m)
+        t = best_times({"primal": lambda: proximal_primal(X, Z, M), "dual": lambda: proximal_dual(X, Z, M)}, repeat)
+        costs = fastls.proximal_cost(n, d, m)
+        rows.append(f"| {n} x {d}, {m} | {t['primal']:.2f} | {t['dual']:.3f} | {t['primal'] / t['dual']:.0f}x | "
+                    f"{min(costs, key=costs.get)} |")
     return rows
 
 
-def solve_table(sizes, repeat):
-    rows = ["| d | dtype | ridge_solve s | proximal_solve s | scipy.linalg.solve(assume_a='pos') s | ratio |",
-            "|---|---|---|---|---|---|"]
-    import scipy.linalg
-
-    for d in sizes:
-        for dtype in ("float32", "float64"):
-            G, C, M = spd_system(d, dtype)
-            t_ridge = best_time(fastls.ridge_solve, G, C, 100.0, repeat=repeat)
-            t_prox = best_time(fastls.proximal_solve, G, C, 2500.0, M, repeat=repeat)
-            t_ref = best_time(lambda: scipy.linalg.solve(G + 100.0 * np.eye(d, dtype=dtype), C, assume_a="pos"),
-                              repeat=repeat)
-            rows.append(f"| {d} | {dtype} | {t_ridge:.3f} | {t_prox:.3f} | {t_ref:.3f} | {t_ref / t_ridge:.2f}x |")
-            print(rows[-1], flush=True)
+def solve_table(repeat):
+    rows = ["| d | dtype | ridge_solve s | scipy.linalg.solve(assume_a='pos') s | ratio |", "|---|---|---|---|---|"]
+    for d in SOLVE_SIZES["full"]:
+        for dtype in (np.float32, np.float64):
+            G, C, _ = spd_system(d, dtype)
+            full = fastls.symmetrize(G) + 100.0 * np.eye(d, dtype=dtype)
+            t = best_times({"fastls": lambda: fastls.ridge_solve(G, C, 100.0),
+                            "scipy": lambda: scipy.linalg.solve(full, C, assume_a="pos")}, repeat)
+            rows.append(f"| {d} | {np.dtype(dtype).name} | {t['fastls']:.3f} | {t['scipy']:.3f} | "
+                        f"{t['scipy'] / t['fastls']:.2f}x |")
     return rows
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="smallest case of each table, one repeat")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--out", help="write the markdown report here")
+    parser.add_argument("--out", help="also write the report to this file")
     args = parser.parse_args()
-    repeat = 1 if args.quick else args.repeat
-    pick = (lambda cases: cases[:1]) if args.quick else (lambda cases: cases)
-    libs = ", ".join(f"{b['internal_api']} {b['version']} ({b['num_threads']} threads, {b.get('architecture')})"
-                     for b in fastls.blas_info())
-    lines = [
-        f"Machine: {platform.machine()}, {fastls.available_cores()} cores, Python {platform.python_version()}, "
-        f"NumPy {np.__version__}; BLAS: {libs}",
-        "",
-        "### Gram update (G += X^T X)",
-        *gram_table(pick(GRAM_SHAPES), repeat),
-        "",
-        "### Streaming convolution Gram vs im2col + syrk (scratch 64 MiB)",
-        *conv_table(pick(CONV_CASES), repeat),
-        "",
-        "### Solves (m = 10 right-hand sides)",
-        *solve_table(pick(SOLVE_SIZES), repeat),
-    ]
-    report = "\n".join(lines)
+    blas = ", ".join(f"{i['internal_api']} {i['version']} ({i['num_threads']} threads, {i['architecture']})"
+                     for i in fastls.blas_info())
+    lines = [f"Machine: {platform.machine()}, {fastls.available_cores()} cores, Python {platform.python_version()}, "
+             f"NumPy {np.__version__}; BLAS: {blas}", ""]
+    lines += ["### Gram update (G += X^T X), fastls with its finiteness check against SciPy's syrk", ""]
+    lines += gram_table(args.repeat)
+    conv_rows, rates = conv_table(args.repeat)
+    lines += ["", "### Convolution statistics, float32 maps into float64 G and C (3x3 valid, bias column, "
+              "10 targets)", ""] + conv_rows
+    wide = max(rates, key=lambda case: (case[1], case[2]))
+    lines += ["", f"Rate at d = 18433 ({wide[2]} images) against d = 4609: "
+              f"{rates[wide] / rates[(14, 512, 64)]:.2f}x (N d^2 counted for both)."]
+    lines += ["", "### Proximal solve: primal (G, then Cholesky of d x d) against dual (Cholesky of n x n)", ""]
+    lines += proximal_table(args.repeat)
+    lines += ["", "### Ridge solve", ""] + solve_table(args.repeat)
+    report = "\n".join(lines) + "\n"
     print(report)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(report + "\n")
+        Path(args.out).write_text(report)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -56,6 +56,8 @@ import numpy as np
 
 import fastls
 
+from ._validation import Interval, ListOf, check_param
+
 __all__ = [
     "Activation",
     "Identity",
@@ -94,22 +96,18 @@ _FORMAT = "fedlayer.models/1"
 # ---------------------------------------------------------------------------
 
 def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_param(name, value, [Interval(int, 1, None)])
     return int(value)
 
 
 def _int_pair(name, value, minimum):
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        value = (value, value)
-    try:
-        a, b = value
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be an int or a pair of ints, got {value!r}") from None
-    for v in (a, b):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
-            raise ValueError(f"{name} must be an int or a pair of ints >= {minimum}, got {value!r}")
-    return int(a), int(b)
+    item = Interval(int, minimum, None)
+    if item.is_satisfied_by(value):
+        return int(value), int(value)
+    check_param(name, value, [item, ListOf(item, min_length=2)])
+    if len(value) != 2:
+        raise ValueError(f"{name} must be an int or a pair of ints >= {minimum}, got {value!r}")
+    return int(value[0]), int(value[1])
 
 
 def _pair_config(pair):

@@ -197,6 +197,22 @@ def test_conv_gram_update_rejects_tiny_scratch(rng):
     np.testing.assert_array_equal(G, 0)
 
 
+@pytest.mark.parametrize("per_image", [True, False])
+def test_conv_gram_update_needs_exactly_what_it_says(rng, per_image):
+    """The 'need at least N' of the im2col path is the smallest budget it accepts."""
+    images = random(rng, (2, 6, 6, 4), np.float64)
+    targets = random(rng, (2, 2) if per_image else (2, 4, 4, 2), np.float64)
+    G, C = np.zeros((36, 36)), np.zeros((36, 2))
+    with pytest.raises(ValueError, match="need at least") as err:
+        fastls.conv_gram_update(G, C, images, targets, 3, method="im2col", scratch_bytes=8)
+    need = int(str(err.value).rsplit(" ", 1)[-1])
+    with pytest.raises(ValueError, match="need at least"):
+        fastls.conv_gram_update(G, C, images, targets, 3, method="im2col", scratch_bytes=need - 1)
+    fastls.conv_gram_update(G, C, images, targets, 3, method="im2col", scratch_bytes=need)
+    P = reference_im2col(images, (3, 3), (1, 1), (0, 0), False)
+    assert_close(np.triu(G), np.triu(P.T @ P), np.float64, P.shape[0])
+
+
 # ---------------------------------------------------------------------------
 # Solves
 # ---------------------------------------------------------------------------

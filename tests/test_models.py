@@ -536,7 +536,7 @@ def test_model_from_layers_errors_name_the_key():
         model_from_layers([{"type": "flatten"}, {"type": "dense"}], (4, 4, 1))
     with pytest.raises(ValueError, match=r"layer 0: unknown type 'maxpool2d'; accepted types: 'dense', 'conv2d'"):
         model_from_layers([{"type": "maxpool2d"}], (4, 4, 1))
-    with pytest.raises(ValueError, match=r"layer 0 \(conv2d\): invalid value: filters must be a positive integer.*"
+    with pytest.raises(ValueError, match=r"layer 0 \(conv2d\): invalid value: filters must be an int >= 1.*"
                                          r"accepted keys: type, filters, kernel_size"):
         model_from_layers([{"type": "conv2d", "filters": -1, "kernel_size": 3}], (4, 4, 1))
     with pytest.raises(ValueError, match=r"layer 0 \(dense\): invalid value: activation: unknown activation 'gelu'"):
