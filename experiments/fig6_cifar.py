@@ -191,6 +191,8 @@ def report(args):
         "picks (the overlap's displacement products on stride-1 maps, else N P d^2) at the float32 gemm rate; "
         "solves run in float64 and are not in it. Personalization rounds also redo the statistics (primal) or "
         "build the patch rows (dual) through the client's own earlier layers.",
+        "",
+        "Discussion of these figures, and what is still open: [fig6_notes.md](fig6_notes.md).",
     ]
     (out / "fig6.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

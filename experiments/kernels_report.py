@@ -75,13 +75,14 @@ def gram_table(repeat):
 
 def conv_table(repeat):
     rows = ["| map (side x side x channels), images | d | auto picks | overlap s | im2col streamed s | "
-            "im2col + gram_update s | overlap speed-up | overlap GFLOP/s (N d^2) |",
-            "|---|---|---|---|---|---|---|---|"]
+            "im2col + gram_update s | overlap speed-up | auto speed-up | overlap GFLOP/s (N d^2) |",
+            "|---|---|---|---|---|---|---|---|---|"]
     rates = {}
     for side, channels, batch in CONV_LAYERS["full"]:
         images, targets = conv_inputs(side, channels, batch)
         G, C = conv_zeros(channels)
-        functions = {"overlap": lambda: conv_stats(images, targets, G, C, "overlap"),
+        functions = {"auto": lambda: conv_stats(images, targets, G, C, "auto"),
+                     "overlap": lambda: conv_stats(images, targets, G, C, "overlap"),
                      "im2col": lambda: conv_stats(images, targets, G, C, "im2col"),
                      "im2col+gram": lambda: conv_im2col_gram(images, targets, G, C)}
         t = best_times(functions, repeat)
@@ -89,8 +90,9 @@ def conv_table(repeat):
         rates[(side, channels, batch)] = rate
         rows.append(
             f"| {side}x{side}x{channels}, {batch} | {9 * channels + 1} | "
-            f"{fastls.conv_stats_method((side, side, channels), 3)} | {t['overlap']:.2f} | {t['im2col']:.2f} | "
-            f"{t['im2col+gram']:.2f} | {t['im2col+gram'] / t['overlap']:.2f}x | {rate:.0f} |")
+            f"{fastls.conv_stats_method((side, side, channels), 3, images=batch)} | {t['overlap']:.2f} | "
+            f"{t['im2col']:.2f} | {t['im2col+gram']:.2f} | {t['im2col+gram'] / t['overlap']:.2f}x | "
+            f"{t['im2col+gram'] / t['auto']:.2f}x | {rate:.0f} |")
     return rows, rates
 
 

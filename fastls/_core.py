@@ -371,7 +371,7 @@ def conv_gram_update(G, C, images, targets, kernel_size, *, stride=1, padding=0,
     _check_array("images", images, 4)
     stats = ConvStats(G, C, images.shape[1:], kernel_size, stride=stride, padding=padding,
                       append_ones=append_ones, per_image_targets=targets.ndim == 2, method=method,
-                      scratch_bytes=scratch_bytes, block_rows=block_rows)
+                      scratch_bytes=scratch_bytes, block_rows=block_rows, images=images.shape[0])
     stats.update(images, targets, check_finite=check_finite)
     return stats.finish()
 
@@ -414,6 +414,10 @@ class ConvStats:
     block_rows : int, default=4096
         On the float32-into-float64 path, rows summed in float32 before a
         product is added to the float64 G.
+    images : int, optional
+        Images the caller will add before :meth:`finish`, when known: 'auto'
+        then weighs the overlap's one pass over G against that many images
+        (:func:`conv_stats_method`).
 
     Notes
     -----
@@ -429,7 +433,7 @@ class ConvStats:
 
     def __init__(self, G, C, image_shape, kernel_size, *, stride=1, padding=0, append_ones=False,
                  per_image_targets=True, method="auto", scratch_bytes=DEFAULT_SCRATCH_BYTES,
-                 block_rows=DEFAULT_BLOCK_ROWS):
+                 block_rows=DEFAULT_BLOCK_ROWS, images=None):
         _check_output("G", G, 2)
         _check_output("C", C, 2)
         try:
@@ -455,7 +459,7 @@ class ConvStats:
         self.scratch_bytes = _check_count("scratch_bytes", scratch_bytes)
         self.block_rows = _check_count("block_rows", block_rows)
         self.method = _pick_conv_method(method, self.image_shape, (kh, kw), (sh, sw), (ph, pw),
-                                        self.per_image_targets)
+                                        self.per_image_targets, images)
         self._dtype = None        # of the images, fixed by the first update
         self._partial = None      # overlap: per-group products and their pending float32 rows
 
@@ -606,7 +610,8 @@ class ConvStats:
 # The overlap path pays only where each displacement product is a real matrix
 # product: below this many channels the C x C products are too thin for BLAS.
 OVERLAP_MIN_CHANNELS = 32
-# ... and only where it saves at least this share of im2col's multiply-adds.
+# ... and, when the images per finish are unknown, only where it saves at least
+# this share of im2col's multiply-adds.
 OVERLAP_MAX_COST_RATIO = 0.8
 _CONV_METHODS = ("auto", "im2col", "overlap")
 
@@ -692,12 +697,24 @@ def conv_stats_cost(image_shape, kernel_size, *, stride=1, padding=0):
     return im2col_macs, _overlap_plan(kh, kw, out_h, out_w)[4] * channels ** 2
 
 
-def conv_stats_method(image_shape, kernel_size, *, stride=1, padding=0, per_image_targets=True):
-    """The method ``method='auto'`` of :class:`ConvStats` takes: 'overlap' or 'im2col'."""
-    return _pick_conv_method("auto", tuple(image_shape), kernel_size, stride, padding, per_image_targets)
+def conv_stats_method(image_shape, kernel_size, *, stride=1, padding=0, per_image_targets=True, images=None):
+    """The method ``method='auto'`` of :class:`ConvStats` takes: 'overlap' or 'im2col'.
+
+    ``images``, the images summed before each ``finish`` when known, adds the
+    cost of adding the products into G (memory-bound, ``FOLD_COST_IN_MACS``
+    per element) spread over them: on small maps with many channels the
+    overlap pays only over enough images.
+    """
+    return _pick_conv_method("auto", tuple(image_shape), kernel_size, stride, padding, per_image_targets, images)
 
 
-def _pick_conv_method(method, image_shape, kernel_size, stride, padding, per_image):
+# Cost of adding one element of a product into G, in multiply-adds of a float32
+# gemm: the fold is memory-bound (measured: 0.68 G float64 adds/s against 75 G
+# multiply-adds/s at 2 threads on this machine).
+FOLD_COST_IN_MACS = 100
+
+
+def _pick_conv_method(method, image_shape, kernel_size, stride, padding, per_image, images=None):
     if method not in _CONV_METHODS:
         raise ValueError(f"method must be one of {_CONV_METHODS}, got {method!r}")
     im2col_macs, overlap_macs = conv_stats_cost(image_shape, kernel_size, stride=stride, padding=padding)
@@ -708,8 +725,21 @@ def _pick_conv_method(method, image_shape, kernel_size, stride, padding, per_ima
             f"got stride {stride} and {'per-image' if per_image else 'per-position'} targets"
         )
     if method == "auto":
-        pays = (usable and image_shape[2] >= OVERLAP_MIN_CHANNELS
-                and overlap_macs <= OVERLAP_MAX_COST_RATIO * im2col_macs)
+        if usable and images:
+            # Per finish, the overlap adds each group's product into its blocks
+            # once; im2col passes over G once per block of DEFAULT_BLOCK_ROWS rows.
+            kh, kw = _pair("kernel_size", kernel_size)
+            out_h, out_w = conv_output_shape(image_shape[:2], kernel_size, stride, padding)
+            channels = image_shape[2]
+            block_adds = len(_overlap_plan(kh, kw, out_h, out_w)[2])
+            d = kh * kw * channels
+            passes = -(-images * out_h * out_w // DEFAULT_BLOCK_ROWS)
+            overlap_macs += FOLD_COST_IN_MACS * block_adds * channels ** 2 / images
+            im2col_macs += FOLD_COST_IN_MACS * passes * d * d / 2 / images
+        # With the passes over G counted, the cheaper one wins; without them,
+        # the overlap must save a margin that covers its one pass.
+        ratio = 1.0 if images else OVERLAP_MAX_COST_RATIO
+        pays = usable and image_shape[2] >= OVERLAP_MIN_CHANNELS and overlap_macs <= ratio * im2col_macs
         method = "overlap" if pays else "im2col"
     return method
 

@@ -315,7 +315,7 @@ class Client:
         G = np.zeros((n_in, n_in), dtype=self.stat_dtype)
         C = np.zeros((n_in, n_out), dtype=self.stat_dtype)
         order = rng.permutation(self.data.n_train) if rng is not None else np.arange(self.data.n_train)
-        with layer.statistics(G, C, scratch_bytes=self.scratch_bytes) as stats:
+        with layer.statistics(G, C, scratch_bytes=self.scratch_bytes, samples=len(order)) as stats:
             for first in range(0, len(order), batch_size):
                 # Sorted within a batch: the rows are read in file order from a memory map.
                 batch = np.sort(order[first:first + batch_size])

@@ -558,15 +558,17 @@ class TrainableLayer(Layer):
         with self.statistics(G, C, scratch_bytes=scratch_bytes) as stats:
             stats.update(x, z)
 
-    def statistics(self, G, C, *, scratch_bytes=DEFAULT_SCRATCH_BYTES):
+    def statistics(self, G, C, *, scratch_bytes=DEFAULT_SCRATCH_BYTES, samples=None):
         """A running accumulator of G and C over batches: ``update(x, z)``, then ``finish()``.
 
         Use it as a context manager; G and C are complete when it closes.
-        Batches are checked as in :meth:`accumulate`.
+        Batches are checked as in :meth:`accumulate`. ``samples``, the total
+        the batches will hold when known, lets the kernels pick their method
+        for the whole pass.
         """
-        return _LayerStatistics(self, G, C, scratch_bytes)
+        return _LayerStatistics(self, G, C, scratch_bytes, samples)
 
-    def _statistics_kernel(self, G, C, scratch_bytes):
+    def _statistics_kernel(self, G, C, scratch_bytes, samples):
         """What adds one checked batch: an object with update(x, z) and finish()."""
         raise NotImplementedError
 
@@ -663,7 +665,7 @@ class Dense(TrainableLayer):
         """
         super().accumulate(G, C, x, z, scratch_bytes=scratch_bytes)
 
-    def _statistics_kernel(self, G, C, scratch_bytes):
+    def _statistics_kernel(self, G, C, scratch_bytes, samples):
         return _DenseKernel(self, G, C, scratch_bytes)
 
     _INPUT_NDIM, _INPUT_WHAT = 2, "(B, d)"
@@ -807,8 +809,8 @@ class Conv2d(TrainableLayer):
         """
         super().accumulate(G, C, x, z, scratch_bytes=scratch_bytes)
 
-    def _statistics_kernel(self, G, C, scratch_bytes):
-        return _ConvKernel(self, G, C, scratch_bytes)
+    def _statistics_kernel(self, G, C, scratch_bytes, samples):
+        return _ConvKernel(self, G, C, scratch_bytes, samples)
 
     _INPUT_NDIM, _INPUT_WHAT = 4, "(B, H, W, C)"
 
@@ -828,7 +830,8 @@ class Conv2d(TrainableLayer):
     def gram_flops(self, input_shape, n_samples):
         im2col_macs, overlap_macs = fastls.conv_stats_cost(input_shape, self.kernel_size, stride=self.stride,
                                                            padding=self.padding)
-        pick = fastls.conv_stats_method(input_shape, self.kernel_size, stride=self.stride, padding=self.padding)
+        pick = fastls.conv_stats_method(input_shape, self.kernel_size, stride=self.stride, padding=self.padding,
+                                        images=n_samples)
         return 2.0 * n_samples * (overlap_macs if pick == "overlap" else im2col_macs)
 
     def pre_activation(self, x, *, scratch_bytes=DEFAULT_SCRATCH_BYTES):
@@ -869,10 +872,11 @@ class Conv2d(TrainableLayer):
 class _LayerStatistics:
     """Checks each batch as the layer's ``accumulate`` did, then hands it to the layer's kernel."""
 
-    def __init__(self, layer, G, C, scratch_bytes):
+    def __init__(self, layer, G, C, scratch_bytes, samples=None):
         self.layer = layer
         self.G, self.C = G, C
         self.scratch_bytes = _positive_int("scratch_bytes", scratch_bytes)
+        self.samples = samples
         self._kernel = None
 
     def update(self, x, z):
@@ -883,7 +887,7 @@ class _LayerStatistics:
         if x.shape[0] == 0:
             return self
         if self._kernel is None:
-            self._kernel = layer._statistics_kernel(self.G, self.C, self.scratch_bytes)
+            self._kernel = layer._statistics_kernel(self.G, self.C, self.scratch_bytes, self.samples or len(x))
         self._kernel.update(x, z)
         return self
 
@@ -940,15 +944,15 @@ class _DenseKernel:
 class _ConvKernel:
     """fastls.ConvStats, built at the first batch (its targets say per image or per position)."""
 
-    def __init__(self, layer, G, C, scratch_bytes):
-        self.layer, self.G, self.C, self.scratch_bytes = layer, G, C, scratch_bytes
+    def __init__(self, layer, G, C, scratch_bytes, samples):
+        self.layer, self.G, self.C, self.scratch_bytes, self.samples = layer, G, C, scratch_bytes, samples
         self.stats = None
 
     def update(self, x, z):
         if self.stats is None:
             self.stats = fastls.ConvStats(self.G, self.C, x.shape[1:], self.layer.kernel_size,
                                           per_image_targets=z.ndim == 2, scratch_bytes=self.scratch_bytes,
-                                          **self.layer._conv_kwargs())
+                                          images=self.samples, **self.layer._conv_kwargs())
         self.stats.update(x, z)
 
     def finish(self):
