@@ -18,9 +18,10 @@ def reference(images, targets, kernel_size, padding, append_ones):
     return P.T @ P, P.T @ T
 
 
-def relative_error(actual, expected):
-    upper = np.triu_indices(expected.shape[0]) if expected.shape[0] == expected.shape[1] else np.s_[:]
-    return np.abs(np.asarray(actual, np.float64)[upper] - expected[upper]).max() / np.abs(expected).max()
+def assert_exact(G, C, G_ref, C_ref):
+    """The issue's bound: relative error <= 1e-12 against im2col in float64 (G's upper triangle)."""
+    assert_close(np.triu(G), np.triu(G_ref), np.float64, rtol=1e-12)
+    assert_close(C, C_ref, np.float64, rtol=1e-12)
 
 
 geometry = st.tuples(
@@ -50,8 +51,7 @@ def test_overlap_equals_im2col_float64(shape, seed):
     C0 = rng.standard_normal((d, 3))
     G, C = G0.copy(order=order), C0.copy()
     fastls.conv_gram_update(G, C, images, targets, (kh, kw), padding=(ph, pw), append_ones=bias, method="overlap")
-    assert relative_error(G - G0, G_ref) <= 1e-12
-    assert relative_error(C - C0, C_ref) <= 1e-12
+    assert_exact(G - G0, C - C0, G_ref, C_ref)
     # The strict lower triangle is never written.
     np.testing.assert_array_equal(np.tril(G, -1), np.tril(G0, -1))
 
@@ -97,7 +97,7 @@ def test_small_scratch_takes_one_image_at_a_time(rng):
     need = int(str(err.value).rsplit(" ", 1)[-1])
     G, C = np.zeros((d, d)), np.zeros((d, 2))
     fastls.conv_gram_update(G, C, images, targets, 3, append_ones=True, method="overlap", scratch_bytes=need)
-    assert relative_error(G, G_ref) <= 1e-12 and relative_error(C, C_ref) <= 1e-12
+    assert_exact(G, C, G_ref, C_ref)
     with pytest.raises(ValueError, match="need at least"):
         fastls.conv_gram_update(G, C, images, targets, 3, append_ones=True, method="overlap",
                                 scratch_bytes=need - 1)
@@ -158,7 +158,7 @@ def test_refused_batch_leaves_running_statistics_untouched(rng, bad):
         stats.update(images.astype(np.float32), targets.astype(np.float32))
     stats.finish()
     G_ref, C_ref = reference(images[:2], targets[:2], 3, 0, True)
-    assert relative_error(G, G_ref) <= 1e-12 and relative_error(C, C_ref) <= 1e-12
+    assert_exact(G, C, G_ref, C_ref)
 
 
 def test_plan_covers_every_block_once_per_cell():
