@@ -115,10 +115,8 @@ _SHARED_CASTS = {}
 
 def _shared_cast(W, dtype):
     """A read-only W in ``dtype``, one copy per server array however many clients install it."""
-    if W.dtype == dtype and not W.flags.writeable and W.flags.c_contiguous:
-        return W
-    if W.flags.writeable:
-        return W  # somebody may still change it: the layer copies it
+    if W.flags.writeable or (W.dtype == dtype and W.flags.c_contiguous):
+        return W  # the layer copies a writeable W, and shares a read-only one as it is
     for key in [k for k, (ref, _) in _SHARED_CASTS.items() if ref() is None]:
         del _SHARED_CASTS[key]
     ref, cast = _SHARED_CASTS.get(id(W), (None, None))
@@ -408,15 +406,9 @@ class Client:
     def _evaluate(self, batch_size):
         start_layer = self._evaluated_upto
         x = self._layer_inputs("test", start_layer)
-        y = self.data.y_test
-        if len(y) == 0:
-            return {"correct": 0, "total": 0}
-        correct = 0
         step = min(batch_size, self._forward_rows(start_layer, len(self.model.layers)))
-        for s in range(0, len(y), step):
-            out = self.model.forward(x[s:s + step], start=start_layer)
-            correct += int((out.reshape(out.shape[0], -1).argmax(axis=1) == y[s:s + step]).sum())
-        return {"correct": correct, "total": int(len(y))}
+        correct, total = self.model.accuracy(x, self.data.y_test, batch_size=step, start=start_layer)
+        return {"correct": correct, "total": total}
 
     def final_weights(self):
         """Weights of every trainable layer (for checks and saving)."""

@@ -568,8 +568,8 @@ class TrainableLayer(Layer):
         """
         return _LayerStatistics(self, G, C, scratch_bytes, samples)
 
-    def _statistics_kernel(self, G, C, scratch_bytes, samples):
-        """What adds one checked batch: an object with update(x, z) and finish()."""
+    def _statistics_kernel(self, G, C, x, z, scratch_bytes, samples):
+        """What adds checked batches like the first one, (x, z): an object with update(x, z) and finish()."""
         raise NotImplementedError
 
     def ls_rows(self, x):
@@ -665,7 +665,7 @@ class Dense(TrainableLayer):
         """
         super().accumulate(G, C, x, z, scratch_bytes=scratch_bytes)
 
-    def _statistics_kernel(self, G, C, scratch_bytes, samples):
+    def _statistics_kernel(self, G, C, x, z, scratch_bytes, samples):
         return _DenseKernel(self, G, C, scratch_bytes)
 
     _INPUT_NDIM, _INPUT_WHAT = 2, "(B, d)"
@@ -674,7 +674,7 @@ class Dense(TrainableLayer):
         return [(x.shape[0], self.units)]
 
     def ls_rows(self, x):
-        x = self._ls_input(x, 2, "(B, d)")
+        x = self._ls_input(x, self._INPUT_NDIM, self._INPUT_WHAT)
         if not self.bias:
             return x
         A = np.empty((x.shape[0], x.shape[1] + 1), dtype=x.dtype)
@@ -809,8 +809,10 @@ class Conv2d(TrainableLayer):
         """
         super().accumulate(G, C, x, z, scratch_bytes=scratch_bytes)
 
-    def _statistics_kernel(self, G, C, scratch_bytes, samples):
-        return _ConvKernel(self, G, C, scratch_bytes, samples)
+    def _statistics_kernel(self, G, C, x, z, scratch_bytes, samples):
+        # The first batch's targets say per image or per position.
+        return fastls.ConvStats(G, C, x.shape[1:], self.kernel_size, per_image_targets=z.ndim == 2,
+                                scratch_bytes=scratch_bytes, images=samples, **self._conv_kwargs())
 
     _INPUT_NDIM, _INPUT_WHAT = 4, "(B, H, W, C)"
 
@@ -820,7 +822,7 @@ class Conv2d(TrainableLayer):
         return [(B, self.filters), (B, oh, ow, self.filters)]
 
     def ls_rows(self, x):
-        x = self._ls_input(x, 4, "(B, H, W, C)")
+        x = self._ls_input(x, self._INPUT_NDIM, self._INPUT_WHAT)
         return fastls.im2col(x, self.kernel_size, **self._conv_kwargs())
 
     def rows_per_sample(self, input_shape):
@@ -887,7 +889,7 @@ class _LayerStatistics:
         if x.shape[0] == 0:
             return self
         if self._kernel is None:
-            self._kernel = layer._statistics_kernel(self.G, self.C, self.scratch_bytes, self.samples or len(x))
+            self._kernel = layer._statistics_kernel(self.G, self.C, x, z, self.scratch_bytes, self.samples or len(x))
         self._kernel.update(x, z)
         return self
 
@@ -939,25 +941,6 @@ class _DenseKernel:
 
     def finish(self):
         pass
-
-
-class _ConvKernel:
-    """fastls.ConvStats, built at the first batch (its targets say per image or per position)."""
-
-    def __init__(self, layer, G, C, scratch_bytes, samples):
-        self.layer, self.G, self.C, self.scratch_bytes, self.samples = layer, G, C, scratch_bytes, samples
-        self.stats = None
-
-    def update(self, x, z):
-        if self.stats is None:
-            self.stats = fastls.ConvStats(self.G, self.C, x.shape[1:], self.layer.kernel_size,
-                                          per_image_targets=z.ndim == 2, scratch_bytes=self.scratch_bytes,
-                                          images=self.samples, **self.layer._conv_kwargs())
-        self.stats.update(x, z)
-
-    def finish(self):
-        if self.stats is not None:
-            self.stats.finish()
 
 
 #: Layer classes by config ``"type"``.
@@ -1088,29 +1071,34 @@ class Model:
             out[s:s + batch_size] = self._run(x[s:s + batch_size], start, stop)
         return out
 
-    def predict(self, x, batch_size=4096):
+    def predict(self, x, batch_size=4096, *, start=0):
         """Class labels: argmax of the output.
 
         Parameters
         ----------
-        x : array_like of shape (B, *input_shape)
+        x : array_like of shape (B, *input_shape_of(start))
         batch_size : int, default=4096
+        start : int, default=0
+            First layer, when x is already the input of ``layers[start]``.
 
         Returns
         -------
         ndarray of shape (B,), int64
         """
-        out = self.forward(x, batch_size=batch_size)
+        out = self.forward(x, batch_size=batch_size, start=start)
         return out.reshape(out.shape[0], -1).argmax(axis=1).astype(np.int64)
 
-    def accuracy(self, x, y, batch_size=4096):
+    def accuracy(self, x, y, batch_size=4096, *, start=0):
         """(number of correct predictions, number of samples).
 
         Parameters
         ----------
-        x : array_like of shape (B, *input_shape)
+        x : array_like of shape (B, *input_shape_of(start))
         y : array_like of shape (B,) integer labels, or (B, n_classes)
             one-hot / score rows (their argmax is the label).
+        batch_size : int, default=4096
+        start : int, default=0
+            As in :meth:`predict`.
         """
         y = np.asarray(y)
         if y.ndim == 2:
@@ -1119,7 +1107,7 @@ class Model:
             raise ValueError(f"y must have shape ({np.shape(x)[0]},) or ({np.shape(x)[0]}, n_classes), got {y.shape}")
         if y.shape[0] == 0:
             return 0, 0
-        return int((self.predict(x, batch_size=batch_size) == y).sum()), int(y.shape[0])
+        return int((self.predict(x, batch_size=batch_size, start=start) == y).sum()), int(y.shape[0])
 
     def n_parameters(self):
         """Number of weights, biases included (whether set or not)."""
