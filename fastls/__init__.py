@@ -1,7 +1,8 @@
 """fastls: compiled least-squares kernels for analytic learning.
 
 Gram accumulation (syrk), cross products (gemm), im2col and a streaming
-convolution Gram, Cholesky ridge and proximal solves, all float32/float64 with
+convolution Gram, Cholesky ridge and proximal solves, ridge paths with GCV and
+leave-one-out selection of the shift, all float32/float64 with
 C- or Fortran-ordered inputs and the GIL released, plus core limits through
 threadpoolctl.
 """
@@ -22,6 +23,7 @@ from ._core import (
     ridge_solve,
     symmetrize,
 )
+from ._select import DEFAULT_GRID, RidgePath
 from ._threads import available_cores, blas_info, limit_cores
 
 __version__ = "0.1.0"
@@ -41,6 +43,8 @@ __all__ = [
     "proximal_solve",
     "proximal_solve_dual",
     "proximal_cost",
+    "RidgePath",
+    "DEFAULT_GRID",
     "limit_cores",
     "available_cores",
     "blas_info",

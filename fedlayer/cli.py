@@ -17,6 +17,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import numpy as np
+
 from ._validation import Interval, Options, parse_text
 from .algorithms import ALGORITHMS
 from .run import CONFIG_CONSTRAINTS, RunConfig
@@ -66,7 +68,8 @@ def _run_parser(sub):
         flag = "--" + field.name.replace("_", "-")
         default = getattr(defaults, field.name)
         constraints = CONFIG_CONSTRAINTS[field.name]
-        options = next((c.values for c in constraints if isinstance(c, Options)), None)
+        # Choices only for flags that are nothing but a list of options (gamma is a number or "auto").
+        options = constraints[0].values if len(constraints) == 1 and isinstance(constraints[0], Options) else None
         if field.name == "cores":
             p.add_argument(flag, type=_flag_type(constraints, "cores"), default=None, metavar="N[,N...]",
                            help="comma-separated cores per client, cycled (default: random 1..available per seed)")
@@ -79,8 +82,9 @@ def _run_parser(sub):
         elif options is not None:
             p.add_argument(flag, choices=options, default=None, help=f"one of %(choices)s (default {default})")
         else:
+            accepted = " or ".join(str(c) for c in constraints if c is not None)
             p.add_argument(flag, type=_flag_type(constraints, field.name), default=None,
-                           help=f"{constraints[-1]} (default {default})")
+                           help=f"{accepted} (default {default})")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.add_argument("--mpi-deadline", type=_flag_type(_MPI_DEADLINE, "seconds"), default=600.0,
                    help="under mpiexec: longest wait (s) for a rank's next result before aborting (default 600)")
@@ -127,12 +131,32 @@ def _summary(results):
             f"(accuracy stays near chance, 1/{results['n_classes']}, until the last layer is trained: hidden "
             "layers are fitted to encoded labels, and the output layer keeps its random initial weights until "
             "its own round)")
+    lines.extend(_regularization_lines(results["rounds"]))
     lines.append(
         f"final accuracy {results['accuracy']:.4f}; averaged total training time per client {t['total_s']:.3f} s "
         f"(compute {t['compute_s']:.3f}, idle {t['idle_s']:.3f}, simulated communication {t['comm_s']:.4f}); "
         f"wall clock of the whole run, data loading included, {results['wall_s']:.1f} s"
     )
     return "\n".join(lines)
+
+
+def _regularization_lines(rounds):
+    """The gamma the server chose per layer (and group), and the spread of the eps clients chose."""
+    lines = []
+    for record in rounds.values():
+        layer = "" if record["layer"] is None else record["layer"] + 1
+        if "selection" in record:
+            chosen = {int(k): v["gamma"] for k, v in record["selection"].items()}
+            text = (f"{next(iter(chosen.values())):.4g}" if len(chosen) == 1
+                    else ", ".join(f"group {k}: {g:.4g}" for k, g in sorted(chosen.items())))
+            lines.append(f"layer {layer}: gamma chosen by GCV {text}")
+        eps = [c["eps"] for c in record["clients"].values() if "eps" in c]
+        if eps:
+            low, median, high = np.percentile(eps, [0, 50, 100])
+            criteria = sorted({c["criterion"] for c in record["clients"].values() if "criterion" in c})
+            lines.append(f"layer {layer}: eps chosen by {'/'.join(criteria)} over {len(eps)} clients: "
+                         f"min {low:.4g}, median {median:.4g}, max {high:.4g}")
+    return lines
 
 
 class _ProgressBar:

@@ -320,17 +320,32 @@ class Client:
                 stats.update(x[batch], self._targets(position, self.data.y_train[batch]))
         return G, C, forward_s, time.perf_counter() - start - forward_s
 
+    def _target_moments(self, position):
+        """(tr(Z_l^T Z_l), rows of X_l) over the local training set: what GCV needs besides G and C.
+
+        A sample's target repeats on each of its rows (every patch of an image),
+        so tr(Z^T Z) = rows per sample x sum over samples of ||z||^2.
+        """
+        layer_index = self.model.trainable[position]
+        rows_per_sample = self.model.layers[layer_index].rows_per_sample(self.model.input_shape_of(layer_index))
+        counts = np.bincount(self.data.y_train, minlength=self.n_classes).astype(np.float64)
+        per_class = self._targets(position, np.arange(self.n_classes)).astype(np.float64)
+        zz = rows_per_sample * float(counts @ np.einsum("ij,ij->i", per_class, per_class))
+        return zz, self.data.n_train * rows_per_sample
+
     # -- methods the server calls -------------------------------------------
     def label_summary(self):
         """h_i = (mean label vector of the local training set) Q_enc (eq. 9)."""
         Y = one_hot(self.data.y_train, self.n_classes, dtype=np.float64)
         return {"h": Y.mean(axis=0) @ encoder_for_clustering(self.encoders, self.n_classes)}
 
-    def local_stats(self, position, batch_size, round_index=0):
+    def local_stats(self, position, batch_size, round_index=0, target_moments=False):
         """Local computation of one round: the two items uploaded to the server.
 
         Batches of ``batch_size`` samples are drawn without replacement in a
         seeded random order; the sums do not depend on it (weight invariance).
+        With ``target_moments`` the upload also holds ``zz`` = tr(Z^T Z) and
+        ``rows``, the two numbers the server's GCV choice of gamma needs.
         """
         if batch_size < 1:
             raise ValueError(f"client {self.client_id}: batch_size must be >= 1, got {batch_size}")
@@ -338,7 +353,10 @@ class Client:
         start = time.perf_counter()
         with self._resident(), fastls.limit_cores(self.cores):
             G, C, forward_s, stats_s = self._statistics(position, int(batch_size), rng)
-        return {"G": G, "C": C, "n": self.data.n_train, "compute_s": time.perf_counter() - start,
+            upload = {"G": G, "C": C}
+            if target_moments:
+                upload["zz"], upload["rows"] = self._target_moments(position)
+        return {**upload, "n": self.data.n_train, "compute_s": time.perf_counter() - start,
                 "parts": {"forward_s": forward_s, "stats_s": stats_s}}
 
     def set_weights(self, position, weights):
@@ -356,6 +374,12 @@ class Client:
         (:func:`fastls.proximal_cost`): the primal from the streamed
         statistics, or the dual (Woodbury) from the layer's least-squares
         rows when the client has fewer rows than features.
+
+        With ``eps="auto"`` the client picks eps for this layer from its own
+        training split, moving no bytes: by exact leave-one-out when the
+        layer's rows fit in ``scratch_bytes`` (one thin SVD of the rows, which
+        then also gives the solution), else by GCV from the statistics (one
+        eigendecomposition of G). The result records ``eps`` and the criterion.
         """
         with self._resident():
             W, result = self._personalize(position, eps, batch_size)
@@ -375,6 +399,8 @@ class Client:
         costs = fastls.proximal_cost(n_rows, n_in, n_rhs, gram_flops=layer.gram_flops(input_shape, self.data.n_train))
         M = self.meta_weights[position].astype(self.stat_dtype, copy=False)
         start = time.perf_counter()
+        if eps == "auto":
+            return self._personalize_auto(position, batch_size, M, n_rows, n_in, start)
         with fastls.limit_cores(self.cores):
             if costs["dual"] < costs["primal"]:
                 x = self._layer_inputs("train", layer_index)
@@ -394,6 +420,39 @@ class Client:
                 method = "primal"
             solve_s = time.perf_counter() - solve_start
         return W, {"compute_s": time.perf_counter() - start, "method": method,
+                   "parts": {"forward_s": forward_s, "stats_s": stats_s, "solve_s": solve_s}}
+
+    def _personalize_auto(self, position, batch_size, M, n_rows, n_in, start):
+        """:meth:`_personalize` with eps chosen on the client's own split (leave-one-out or GCV)."""
+        layer_index = self.model.trainable[position]
+        layer = self.model.layers[layer_index]
+        input_shape = self.model.input_shape_of(layer_index)
+        basis = self.bases[position]
+        with fastls.limit_cores(self.cores):
+            if n_rows * n_in * np.dtype(self.stat_dtype).itemsize <= self.scratch_bytes:
+                x = self._layer_inputs("train", layer_index)
+                forward_s = time.perf_counter() - start
+                stats_start = time.perf_counter()
+                A = layer.ls_rows(np.asarray(x))
+                # With a basis the targets are passed as their coordinates Y (Z = Y Q).
+                labels = np.repeat(self.data.y_train, layer.rows_per_sample(input_shape))
+                Z = (one_hot(labels, self.n_classes, dtype=np.float64) if basis is not None
+                     else self._targets(position, labels))
+                stats_s = time.perf_counter() - stats_start
+                solve_start = time.perf_counter()
+                path = fastls.RidgePath.from_rows(A, Z, center=M, rhs_basis=basis)
+                criterion = "loo"
+            else:
+                G, C, forward_s, stats_s = self._statistics(position, int(batch_size), None)
+                zz, rows = self._target_moments(position)
+                solve_start = time.perf_counter()
+                path = fastls.RidgePath.from_statistics(G, C, zz, rows, center=M, rhs_basis=basis, overwrite_g=True)
+                del G, C
+                criterion = "gcv"
+            eps, _, _ = path.select(criterion)
+            W = path.solve(eps)
+            solve_s = time.perf_counter() - solve_start
+        return W, {"compute_s": time.perf_counter() - start, "method": criterion, "eps": eps,
                    "parts": {"forward_s": forward_s, "stats_s": stats_s, "solve_s": solve_s}}
 
     def evaluate(self, batch_size=4096):

@@ -33,6 +33,9 @@ from .transport import overall_accuracy
 
 __all__ = ["Variant", "VARIANTS", "adaptive_batch_sizes", "run_protocol"]
 
+#: What a client's local_stats result sends up (the rest is local timing).
+UPLOADED = ("G", "C", "zz", "rows")
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -107,8 +110,13 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
     n_layers : int
         Trainable layers of the model (rounds of the federated stage).
     variant : Variant
-    gamma, eps : float
+    gamma, eps : float or "auto"
         Ridge regularization (eqs. 5, 11) and proximal weight (eq. 13).
+        ``gamma="auto"``: per layer and group, the server minimizes GCV from
+        the summed G, C, tr(Z^T Z) and row count (clients upload the two
+        numbers besides G and C) and solves with the chosen gamma from the
+        same eigendecomposition. ``eps="auto"``: each client chooses its own
+        per layer (:meth:`fedlayer.client.Client.personalize`).
     groups : int
         K of K-means when ``variant.cluster``.
     seed : int
@@ -136,6 +144,7 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
     dict with "groups" (cid -> group), "rounds" (list of round records),
     "group_weights" (group -> list of (n_in, n_out) arrays) and "accuracy".
     """
+    auto_gamma = gamma == "auto"
     cids = transport.client_ids
     first_batch = batch_size if isinstance(batch_size, dict) else {cid: int(batch_size) for cid in cids}
     max_batch = max_batch_size if isinstance(max_batch_size, dict) else {cid: int(max_batch_size) for cid in cids}
@@ -184,24 +193,39 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         # ten groups' sums at once would not fit in memory).
         for k in range(n_groups):
             members = [cid for cid in cids if group_of[cid] == k]
-            args = {cid: {"position": position, "batch_size": batch[cid], "round_index": position} for cid in members}
+            args = {cid: {"position": position, "batch_size": batch[cid], "round_index": position,
+                          **({"target_moments": True} if auto_gamma else {})} for cid in members}
             G_sum = C_sum = None
+            zz_sum, rows_sum = 0.0, 0
             for cid, result in transport.call("local_stats", args):
-                log.arrived(cid, result["compute_s"], payload_bytes({"G": result["G"], "C": result["C"]}),
-                            result.get("mpi_recv_s"), parts=result.get("parts"))
+                uploaded = {key: result[key] for key in UPLOADED if key in result}
+                log.arrived(cid, result["compute_s"], payload_bytes(uploaded), result.get("mpi_recv_s"),
+                            parts=result.get("parts"))
                 if G_sum is None:
                     G_sum = np.zeros_like(result["G"], dtype=stat_dtype)
                     C_sum = np.zeros_like(result["C"], dtype=stat_dtype)
                 # Fold and drop: the server never holds more than one client's statistics.
                 G_sum += result["G"]
                 C_sum += result["C"]
-                del result
+                if auto_gamma:
+                    zz_sum += float(result["zz"])
+                    rows_sum += int(result["rows"])
+                del result, uploaded
             if G_sum is None:
                 continue
             start = time.perf_counter()
             basis = target_bases[position] if target_bases else None
-            weights[k] = np.ascontiguousarray(fastls.ridge_solve(G_sum, C_sum, gamma, overwrite_g=True,
-                                                                 overwrite_c=True, rhs_basis=basis))
+            if auto_gamma:
+                path = fastls.RidgePath.from_statistics(G_sum, C_sum, zz_sum, rows_sum, rhs_basis=basis,
+                                                        overwrite_g=True)
+                chosen, grid, scores = path.select("gcv")
+                weights[k] = np.ascontiguousarray(path.solve(chosen).astype(stat_dtype, copy=False))
+                log.selection[k] = {"gamma": chosen, "criterion": "gcv", "grid": grid.tolist(),
+                                    "scores": scores.tolist()}
+                del path
+            else:
+                weights[k] = np.ascontiguousarray(fastls.ridge_solve(G_sum, C_sum, gamma, overwrite_g=True,
+                                                                     overwrite_c=True, rhs_basis=basis))
             del G_sum, C_sum
             # Read-only: clients in this process share it instead of copying it.
             weights[k].flags.writeable = False
@@ -232,6 +256,8 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
             for cid, result in transport.call("personalize", args):
                 log.arrived(cid, result["compute_s"], 0, parts=result.get("parts"))
                 log.up[cid] = 0.0
+                if "eps" in result:
+                    log.chosen[cid] = {"eps": float(result["eps"]), "criterion": result["method"]}
             rounds.append(log.record(_timed_accuracy(log, transport)))
             if progress:
                 progress(f"layer {position + 1}/{n_layers} personalized, accuracy {rounds[-1]['accuracy']:.4f}")

@@ -1,4 +1,4 @@
-"""PNG plots of a results.json: accuracy per round, per-client time breakdown."""
+"""PNG plots of a results.json: accuracy per round, per-client time breakdown, GCV curves of ``--gamma auto``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ __all__ = ["plot_results"]
 
 
 def plot_results(results_path, out_dir=None):
-    """Write ``accuracy.png`` and ``time_breakdown.png``; returns their paths."""
+    """Write ``accuracy.png``, ``time_breakdown.png`` (and ``gcv.png`` for ``--gamma auto``); returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,4 +72,29 @@ def plot_results(results_path, out_dir=None):
     fig.tight_layout()
     fig.savefig(time_png, dpi=120)
     plt.close(fig)
-    return [accuracy_png, time_png]
+    gcv_png = _plot_gcv(results, out / "gcv.png", title, plt)
+    return [accuracy_png, time_png] + ([gcv_png] if gcv_png else [])
+
+
+def _plot_gcv(results, path, title, plt):
+    """One panel per layer: GCV(gamma) of each group (normalized to its minimum), the chosen gamma marked."""
+    selections = [(r["layer"], r["selection"]) for r in results["rounds"].values() if "selection" in r]
+    if not selections:
+        return None
+    fig, axes = plt.subplots(1, len(selections), figsize=(3.2 * len(selections), 3.4), squeeze=False)
+    for ax, (layer, groups) in zip(axes[0], selections):
+        for k, choice in sorted(groups.items(), key=lambda item: int(item[0])):
+            grid = [g for g, s in zip(choice["grid"], choice["scores"]) if s is not None and s < float("inf")]
+            scores = [s for s in choice["scores"] if s is not None and s < float("inf")]
+            low = min(scores)
+            line, = ax.loglog(grid, [s / low for s in scores], lw=1, label=None if len(groups) == 1 else f"group {k}")
+            ax.axvline(choice["gamma"], color=line.get_color(), lw=0.6, ls="--")
+        ax.set_title(f"layer {layer + 1}", fontsize=10)
+        ax.set_xlabel("gamma")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("GCV / its minimum")
+    fig.suptitle(title + " (dashed: chosen gamma)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

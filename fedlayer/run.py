@@ -46,8 +46,8 @@ CONFIG_CONSTRAINTS = {
     "model": [Options(*KNOWN_MODELS)],
     "clients": _POSITIVE_INT,
     "beta": _POSITIVE,
-    "gamma": _POSITIVE,
-    "eps": _POSITIVE,
+    "gamma": _POSITIVE + [Options("auto")],
+    "eps": _POSITIVE + [Options("auto")],
     "groups": _POSITIVE_INT,
     "seed": [Interval(int, 0, None)],
     "batch_size": _POSITIVE_INT,
@@ -84,8 +84,8 @@ class RunConfig:
     model: str = "dnn"
     clients: int = 100
     beta: float = 0.1            # Dirichlet concentration of the label skew
-    gamma: float = 100.0         # ridge regularization, eqs. (5), (11)
-    eps: float = 2500.0          # proximal weight, eq. (13)
+    gamma: float | str = 100.0   # ridge regularization, eqs. (5), (11); "auto": GCV per layer on the server
+    eps: float | str = 2500.0    # proximal weight, eq. (13); "auto": leave-one-out / GCV per client and layer
     groups: int = 10             # K of K-means
     seed: int = 0
     batch_size: int = 64         # B_1, the first round's batch size

@@ -61,6 +61,8 @@ class RoundLog:
         self.compute, self.up, self.down, self.batch, self.measured, self.parts = {}, {}, {}, {}, {}, {}
         self.server_s = 0.0
         self.eval_s = None
+        self.selection = {}  # group -> the server's choice of gamma (criterion, grid, scores)
+        self.chosen = {}     # cid -> a client's own choice (eps and its criterion)
         self.up_bytes = self.down_bytes = 0
 
     def arrived(self, cid, compute_s, up_bytes, measured_recv_s=None, parts=None):
@@ -94,6 +96,7 @@ class RoundLog:
                 **({"batch_size": self.batch[cid]} if cid in self.batch else {}),
                 **({"mpi_recv_s": self.measured[cid]} if cid in self.measured else {}),
                 **({"parts": self.parts[cid]} if cid in self.parts else {}),
+                **self.chosen.get(cid, {}),
             }
             for cid in self.compute
         }
@@ -105,6 +108,7 @@ class RoundLog:
             **({"eval_s": self.eval_s} if self.eval_s is not None else {}),
             "bytes_up": self.up_bytes,
             "bytes_down": self.down_bytes,
+            **({"selection": {str(k): v for k, v in self.selection.items()}} if self.selection else {}),
             "clients": clients,
         }
 

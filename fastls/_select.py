@@ -1,0 +1,315 @@
+"""Choosing a ridge shift from the data: every ridge solution from one factorization.
+
+With G = X^T X = V diag(lambda) V^T and B = V^T X^T R, the ridge solution
+for any shift a is W(a) = V diag(1 / (lambda + a)) B, and the criteria below
+are sums over the d eigenpairs: O(d k) per shift once the factorization is
+known (k columns of B).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.linalg
+import scipy.optimize
+
+from ._core import _basis_coordinates, _check_array, _check_finite, _check_system, _kernels, symmetrize
+
+__all__ = ["RidgePath", "DEFAULT_GRID"]
+
+#: Shifts tried by :meth:`RidgePath.select` when none are given, as multiples
+#: of the mean eigenvalue trace(G) / d (then refined between grid neighbours).
+DEFAULT_GRID = np.geomspace(1e-9, 1e3, 49)
+
+_CRITERIA = ("gcv", "loo")
+
+
+class RidgePath:
+    """Ridge regressions of R on X for every shift, from one factorization.
+
+    Build it with :meth:`from_statistics` (G = X^T X, C = X^T Z, tr(Z^T Z)
+    and the row count: generalized cross-validation) or :meth:`from_rows`
+    (X and Z themselves: GCV and exact leave-one-out). With ``center=M`` the
+    regression is of the residual R = Z - X M, the solution is M + W(a), and
+    a is a proximal weight (pFedACnnL's eq. 13: (G + a I)^-1 (C + a M)).
+
+    Attributes
+    ----------
+    eigenvalues : ndarray of shape (r,), float64
+        Eigenvalues of G (squared singular values of X), clipped at 0.
+    n : int
+        Rows of X.
+    """
+
+    def __init__(self, eigenvalues, V, B, residual_ss, n, center, basis, U=None, UtR=None, R=None):
+        self.eigenvalues = eigenvalues
+        self.n = n
+        self._V, self._B = V, B
+        self._rss0 = residual_ss
+        self._center, self._basis = center, basis
+        # Squared norms of B's rows in the metric of the target space (Q Q^T with a basis).
+        metric = None if basis is None else basis @ basis.T
+        self._metric = metric
+        self._b2 = _row_norms(B, metric)
+        self._U, self._UtR, self._R = U, UtR, R
+        if U is not None:
+            self._c2 = _row_norms(UtR, metric)
+            self._outside = float(_row_norms(R - U @ UtR, metric).sum())
+
+    # -- construction --------------------------------------------------------
+    @classmethod
+    def from_statistics(cls, G, C, zz, n, *, center=None, rhs_basis=None, overwrite_g=False):
+        """The path from summed statistics: GCV only.
+
+        Parameters
+        ----------
+        G : ndarray of shape (d, d), float32 or float64
+            X^T X; only its upper triangle is read.
+        C : ndarray of shape (d, m), dtype of G
+            X^T Z.
+        zz : float
+            tr(Z^T Z), the targets' sum of squares.
+        n : int
+            Rows of X (samples, or patches for a convolution).
+        center : ndarray of shape (d, m), optional
+            M: regress R = Z - X M instead of Z; solutions are M + W.
+        rhs_basis : ndarray of shape (k, m), k < m, optional
+            Q with C = B Q (and M = M_k Q): the path runs on k columns; the
+            squared norms are taken in the metric Q Q^T, so every criterion
+            equals the one on the m columns.
+        overwrite_g : bool, default=False
+            Let the eigendecomposition destroy G.
+
+        Returns
+        -------
+        RidgePath
+        """
+        G = _check_system(G, C)
+        _check_finite_upper(G)
+        _check_finite("C", C)
+        zz = _check_real("zz", zz, "tr(Z^T Z), the targets' sum of squares", minimum=0.0)
+        n = _check_rows(n)
+        C64 = np.asarray(C, dtype=np.float64)
+        G64 = np.asarray(G, dtype=np.float64)
+        if center is not None:
+            M = _check_center(center, C.shape)
+            # R = Z - X M: X^T R = C - G M, tr(R^T R) = tr(Z^T Z) - 2 tr(M^T C) + tr(M^T G M).
+            GM = symmetrize(G64) @ M
+            zz = zz - 2.0 * float(np.vdot(M, C64)) + float(np.vdot(M, GM))
+            C64 = C64 - GM
+        else:
+            M = None
+        C64, basis, M = _in_basis(C64, M, rhs_basis)
+        evals, V = scipy.linalg.eigh(G64, lower=False, overwrite_a=overwrite_g and G64 is G, check_finite=False,
+                                     driver="evd")
+        evals = np.maximum(evals, 0.0)
+        return cls(evals, V, V.T @ C64, max(zz, 0.0), n, M, basis)
+
+    @classmethod
+    def from_rows(cls, X, Z, *, center=None, rhs_basis=None):
+        """The path from the rows themselves (one thin SVD of X): GCV and exact leave-one-out.
+
+        Parameters
+        ----------
+        X : ndarray of shape (n, d), float32 or float64
+        Z : ndarray of shape (n, m) or, with ``rhs_basis``, (n, k)
+            Targets, or their coordinates in the basis (Z = Y Q: pass Y).
+        center : ndarray of shape (d, m), optional
+            As in :meth:`from_statistics`.
+        rhs_basis : ndarray of shape (k, m), optional
+
+        Returns
+        -------
+        RidgePath
+        """
+        _check_array("X", X, 2)
+        _check_array("Z", Z, 2)
+        if Z.shape[0] != X.shape[0]:
+            raise ValueError(f"Z must have one row per row of X ({X.shape[0]}), got shape {Z.shape}")
+        _check_finite("X", X)
+        _check_finite("Z", Z)
+        X64 = np.asarray(X, dtype=np.float64)
+        R = np.asarray(Z, dtype=np.float64)
+        m = R.shape[1] if rhs_basis is None else np.shape(rhs_basis)[1]
+        M = None if center is None else _check_center(center, (X.shape[1], m))
+        basis = None
+        if rhs_basis is not None:
+            _check_array("rhs_basis", rhs_basis, 2)
+            basis = np.asarray(rhs_basis, dtype=np.float64)
+            if basis.shape[0] != R.shape[1] or basis.shape[0] >= basis.shape[1]:
+                raise ValueError(f"with rhs_basis of shape {basis.shape}, Z must hold its {basis.shape[0]} "
+                                 f"coordinates per row, got shape {Z.shape}")
+            if M is not None:
+                M, _ = _basis_coordinates("center", M, basis, np.float64)
+        if M is not None:
+            R = R - X64 @ M
+        U, s, Vt = scipy.linalg.svd(X64, full_matrices=False, lapack_driver="gesdd", check_finite=False)
+        UtR = U.T @ R
+        # B = V^T X^T R = diag(s) U^T R over the r = min(n, d) directions X spans.
+        return cls(s * s, Vt.T, s[:, None] * UtR, float(_row_norms(R, None if basis is None else basis @ basis.T).sum()),
+                   X.shape[0], M, basis, U=U, UtR=UtR, R=R)
+
+    # -- criteria -------------------------------------------------------------
+    def residual_ss(self, shifts):
+        """RSS(a) = tr(R^T R) - sum_j ||B_j||^2 (lambda_j + 2 a) / (lambda_j + a)^2, per shift.
+
+        From rows the same sum is formed without cancellation, as the part of R
+        outside X's column space plus sum_j ||(U^T R)_j||^2 (a / (lambda_j + a))^2;
+        from statistics alone the difference above is all there is, so an RSS
+        far below tr(R^T R) (a near-interpolating fit) keeps only its absolute
+        accuracy, about eps * tr(R^T R).
+        """
+        a = _shifts(shifts)
+        lam = self.eigenvalues[None, :]
+        if self._U is not None:
+            return self._outside + ((a[:, None] / (lam + a[:, None])) ** 2) @ self._c2
+        fit = ((lam + 2.0 * a[:, None]) / (lam + a[:, None]) ** 2) @ self._b2
+        return np.maximum(self._rss0 - fit, 0.0)
+
+    def dof(self, shifts):
+        """Effective degrees of freedom sum_j lambda_j / (lambda_j + a), per shift."""
+        a = _shifts(shifts)
+        lam = self.eigenvalues[None, :]
+        return (lam / (lam + a[:, None])).sum(axis=1)
+
+    def gcv(self, shifts):
+        """GCV(a) = n RSS(a) / (n - dof(a))^2, per shift (inf where dof >= n)."""
+        rss, df = self.residual_ss(shifts), self.dof(shifts)
+        slack = self.n - df
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(slack > 0, self.n * rss / np.where(slack > 0, slack, 1.0) ** 2, np.inf)
+
+    def loo(self, shifts):
+        """Mean squared leave-one-out error (1/n) sum_i ||r_i - x_i W_(-i)(a)||^2, per shift (from_rows only).
+
+        Exact: e_i = (r_i - x_i W(a)) / (1 - h_ii(a)) with the hat matrix
+        H(a) = U diag(s^2 / (s^2 + a)) U^T.
+        """
+        if self._U is None:
+            raise ValueError("leave-one-out needs the rows: build the path with RidgePath.from_rows")
+        a = _shifts(shifts)
+        lam = self.eigenvalues
+        out = np.empty(len(a))
+        U2 = self._U * self._U
+        for i, shift in enumerate(a):
+            shrink = lam / (lam + shift)
+            leverage = U2 @ shrink
+            residual = self._R - self._U @ (shrink[:, None] * self._UtR)
+            # A row with leverage 1 is fitted exactly by any shift: it carries no held-out information.
+            held_out = residual / np.maximum(1.0 - leverage, np.finfo(np.float64).eps)[:, None]
+            out[i] = _row_norms(held_out, self._metric).sum() / self.n
+        return out
+
+    def criterion(self, name, shifts):
+        """``gcv`` or ``loo`` per shift."""
+        if name not in _CRITERIA:
+            raise ValueError(f"criterion must be one of {_CRITERIA}, got {name!r}")
+        return getattr(self, name)(shifts)
+
+    def default_grid(self):
+        """:data:`DEFAULT_GRID` times the mean eigenvalue (times 1 when G is 0)."""
+        scale = float(self.eigenvalues.sum()) / max(len(self.eigenvalues), 1)
+        return DEFAULT_GRID * (scale if scale > 0 else 1.0)
+
+    def select(self, criterion="gcv", shifts=None, refine=True):
+        """The shift that minimizes the criterion.
+
+        Parameters
+        ----------
+        criterion : {'gcv', 'loo'}, default='gcv'
+        shifts : array-like of float > 0, optional
+            The grid searched; default :meth:`default_grid`.
+        refine : bool, default=True
+            Then minimize in log(shift) between the best grid point's neighbours
+            (bounded Brent).
+
+        Returns
+        -------
+        shift : float
+        grid : ndarray of float
+        scores : ndarray of float
+            The criterion on the grid (what a plot of the curve needs).
+        """
+        grid = self.default_grid() if shifts is None else _shifts(shifts)
+        scores = self.criterion(criterion, grid)
+        best = int(np.argmin(scores))
+        shift = float(grid[best])
+        if refine and len(grid) > 1 and np.isfinite(scores[best]):
+            low, high = np.log(grid[max(best - 1, 0)]), np.log(grid[min(best + 1, len(grid) - 1)])
+            if high > low:
+                found = scipy.optimize.minimize_scalar(
+                    lambda t: float(self.criterion(criterion, [np.exp(t)])[0]),
+                    bounds=(low, high), method="bounded", options={"xatol": 1e-3})
+                if found.fun <= scores[best]:
+                    shift = float(np.exp(found.x))
+        return shift, grid, scores
+
+    # -- solutions ------------------------------------------------------------
+    def solve(self, shift):
+        """W(a) = V diag(1 / (lambda + a)) B, plus the center when there is one.
+
+        Returns
+        -------
+        W : ndarray of shape (d, m), float64, Fortran-ordered
+        """
+        a = float(_shifts([shift])[0])
+        W = self._V @ (self._B / (self.eigenvalues + a)[:, None])
+        if self._center is not None:
+            W = W + self._center
+        if self._basis is not None:
+            W = W @ self._basis
+        return np.asfortranarray(W)
+
+
+def _row_norms(B, metric):
+    """||B_j||^2 per row, in the metric when one is given (B_j S B_j^T)."""
+    if metric is None:
+        return np.einsum("ij,ij->i", B, B)
+    return np.einsum("ij,ij->i", B @ metric, B)
+
+
+def _shifts(shifts):
+    a = np.atleast_1d(np.asarray(shifts, dtype=np.float64))
+    if a.ndim != 1 or a.size == 0:
+        raise ValueError(f"shifts must be a non-empty 1-D sequence of numbers > 0, got shape {a.shape}")
+    if not np.all(np.isfinite(a)) or np.any(a <= 0):
+        raise ValueError(f"shifts must be finite and > 0, got {a[~(np.isfinite(a) & (a > 0))][:3].tolist()}")
+    return a
+
+
+def _check_real(name, value, meaning, minimum):
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} ({meaning}) must be a real number, got {value!r}") from None
+    if not np.isfinite(number) or number < minimum:
+        raise ValueError(f"{name} ({meaning}) must be finite and >= {minimum:g}, got {value!r}")
+    return number
+
+
+def _check_rows(n):
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"n (rows of X) must be an int >= 1, got {n!r}")
+    return int(n)
+
+
+def _check_center(center, shape):
+    _check_array("center", center, 2)
+    if center.shape != tuple(shape):
+        raise ValueError(f"center must have shape {tuple(shape)} like the solution, got {center.shape}")
+    _check_finite("center", center)
+    return np.asarray(center, dtype=np.float64)
+
+
+def _check_finite_upper(G):
+    if G.shape[0] and not _kernels.upper_finite(G):
+        raise ValueError("G contains NaN or Inf in its upper triangle; expected finite values")
+
+
+def _in_basis(C, M, rhs_basis):
+    """(C, basis, M) in the basis' coordinates when one is given."""
+    if rhs_basis is None:
+        return C, None, M
+    B, Q = _basis_coordinates("C", C, rhs_basis, np.float64)
+    if M is not None:
+        M, _ = _basis_coordinates("center", M, Q, np.float64)
+    return np.asarray(B), Q, M

@@ -1,0 +1,116 @@
+"""gamma="auto" (server GCV) and eps="auto" (client leave-one-out / GCV) in the protocol."""
+
+import json
+
+import numpy as np
+import pytest
+
+import fastls
+from fedlayer.cli import main
+from fedlayer.client import Client
+from fedlayer.federated import Variant, run_protocol
+from fedlayer.models import build_model
+from fedlayer.transport import InProcessTransport
+from numeric_checks import assert_close
+from test_federated import N_CLASSES, client_data, dnn_config, make_data
+
+
+def run_clients(datas, variant, config, **kwargs):
+    clients = [Client(i, data, config, seed=3, n_classes=N_CLASSES) for i, data in enumerate(datas)]
+    n_layers = sum(1 for layer in config["layers"] if "units" in layer or "filters" in layer)
+    outcome = run_protocol(InProcessTransport(clients), n_layers, variant, batch_size=16, max_batch_size=64,
+                           **kwargs)
+    return outcome, clients
+
+
+def chosen_gammas(outcome):
+    return [[choice["gamma"] for choice in r["selection"].values()] for r in outcome["rounds"] if "selection" in r]
+
+
+@pytest.mark.parametrize("n_clients", [2, 5, 11])
+def test_gamma_auto_does_not_depend_on_the_partition(rng, n_clients):
+    """Every partition sums to the same statistics, so GCV picks the same gamma and weights."""
+    x, y = make_data(rng)
+    config = dnn_config(x.shape[1])
+    central, _ = run_clients([client_data(x, y, np.arange(len(x)))], Variant(adaptive=False), config, gamma="auto")
+    parts = np.array_split(rng.permutation(len(x)), n_clients)
+    federated, _ = run_clients([client_data(x, y, p) for p in parts], Variant(), config, gamma="auto")
+    np.testing.assert_allclose(np.ravel(chosen_gammas(federated)), np.ravel(chosen_gammas(central)), rtol=1e-6)
+    for W_fed, W_central in zip(federated["group_weights"][0], central["group_weights"][0]):
+        assert_close(W_fed, W_central, np.float64, rtol=1e-6)
+
+
+def test_gamma_auto_solves_each_layer_with_its_gcv_minimum(rng):
+    """Layer by layer: the weights are the ridge solution at the recorded gamma, which minimizes GCV."""
+    x, y = make_data(rng, n=150, d=7)
+    config = dnn_config(7)
+    outcome, (client,) = run_clients([client_data(x, y, np.arange(150))], Variant(adaptive=False), config,
+                                     gamma="auto")
+    encoders = client.encoders
+    Y = np.eye(N_CLASSES)[y]
+    h = x
+    for position, (W, record) in enumerate(zip(outcome["group_weights"][0], outcome["rounds"])):
+        choice = record["selection"]["0"]
+        A = np.hstack([h, np.ones((len(h), 1))])
+        Z = Y @ encoders[position] if position < len(encoders) else Y
+        gamma = choice["gamma"]
+        assert_close(W, np.linalg.solve(A.T @ A + gamma * np.eye(A.shape[1]), A.T @ Z), np.float64, rtol=1e-8)
+        path = fastls.RidgePath.from_rows(A, Z)
+        assert path.gcv([gamma])[0] <= min(choice["scores"]) * (1 + 1e-9)
+        np.testing.assert_allclose(choice["scores"], path.gcv(choice["grid"]), rtol=1e-8)
+        h = np.maximum(A @ W, 0) if position < 2 else A @ W
+
+
+def test_target_moments_count_every_patch(rng):
+    """tr(Z^T Z) and the row count a conv client uploads equal those of its explicit patch rows."""
+    model = build_model("dcnn", (32, 32, 2), N_CLASSES, width=1 / 256)
+    x = rng.random((12, 32, 32, 2))
+    y = rng.integers(0, N_CLASSES, 12)
+    client = Client(0, client_data(x, y, np.arange(12)), model.config(), seed=1, n_classes=N_CLASSES)
+    layer = client.model.layers[client.model.trainable[0]]
+    rows = layer.ls_rows(x).shape[0]
+    Z = np.repeat(client._targets(0, y), rows // 12, axis=0)
+    zz, counted = client._target_moments(0)
+    assert counted == rows
+    assert zz == pytest.approx(float((Z ** 2).sum()), rel=1e-12)
+
+
+@pytest.mark.parametrize("scratch_bytes, criterion", [(1 << 26, "loo"), (64, "gcv")])
+def test_eps_auto_is_the_clients_own_choice(rng, scratch_bytes, criterion):
+    """Leave-one-out when the rows fit in the scratch budget, else GCV; the weights solve eq. (13) at that eps."""
+    x, y = make_data(rng, n=60, d=5)
+    config = build_model("lr", (5,), N_CLASSES).config()
+    client = Client(0, client_data(x, y, np.arange(60)), config, seed=0, n_classes=N_CLASSES,
+                    scratch_bytes=scratch_bytes)
+    M = rng.standard_normal((6, N_CLASSES))
+    client.set_weights(0, M)
+    result = client.personalize(0, eps="auto", batch_size=13)
+    assert result["method"] == criterion
+    A = np.hstack([x, np.ones((60, 1))])
+    Y = np.eye(N_CLASSES)[y]
+    expected, _, _ = fastls.RidgePath.from_rows(A, Y, center=M).select(criterion)
+    assert result["eps"] == pytest.approx(expected, rel=1e-6)
+    W = client.model.layers[client.model.trainable[0]].weights
+    assert_close(W, fastls.proximal_solve(A.T @ A, A.T @ Y, result["eps"], M), np.float64, rtol=1e-8)
+
+
+def test_auto_choices_are_recorded_printed_and_plotted(tmp_path, capsys):
+    out = tmp_path / "auto"
+    argv = ["run", "--algorithm", "pfedacnnl", "--dataset", "synthetic", "--model", "dnn", "--clients", "12",
+            "--groups", "3", "--gamma", "auto", "--eps", "auto", "--quiet", "--output", str(out)]
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    federated = [r for r in results["rounds"].values() if r["stage"] == "federated"]
+    personalized = [r for r in results["rounds"].values() if r["stage"] == "personalization"]
+    assert len(federated) == len(personalized) == 3
+    for record in federated:
+        assert record["selection"], "every federated round records the gamma of each group"
+        for choice in record["selection"].values():
+            assert choice["gamma"] > 0 and len(choice["grid"]) == len(choice["scores"])
+    for record in personalized:
+        assert all(c["eps"] > 0 and c["criterion"] in ("loo", "gcv") for c in record["clients"].values())
+    assert main(["run", *argv[1:-3], "--output", str(tmp_path / "again")]) == 0
+    printed = capsys.readouterr().out
+    assert "gamma chosen by GCV" in printed and "eps chosen by loo over 12 clients" in printed
+    assert main(["plot", str(out / "results.json")]) == 0
+    assert (out / "gcv.png").stat().st_size > 0

@@ -1,0 +1,157 @@
+"""fastls.RidgePath: GCV and leave-one-out from one factorization, against explicit refits."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastls
+from numeric_checks import assert_close
+
+SHIFTS = [1e-3, 0.3, 7.0, 250.0]
+
+
+def problem(rng, n=40, d=12, m=5, noise=0.5):
+    X = rng.standard_normal((n, d))
+    X[:, -1] = 1.0
+    Z = X @ rng.standard_normal((d, m)) + noise * rng.standard_normal((n, m))
+    return X, Z
+
+
+def refit(X, Z, shift, M=None):
+    """The ridge (or proximal, around M) solution by a dense solve."""
+    d = X.shape[1]
+    M = np.zeros((d, Z.shape[1])) if M is None else M
+    return np.linalg.solve(X.T @ X + shift * np.eye(d), X.T @ Z + shift * M)
+
+
+def explicit(X, Z, shift, M=None):
+    """RSS, dof, GCV and mean LOO error by brute force."""
+    n, d = X.shape
+    W = refit(X, Z, shift, M)
+    R = Z - X @ W
+    rss = float((R ** 2).sum())
+    dof = float(np.trace(X @ np.linalg.solve(X.T @ X + shift * np.eye(d), X.T)))
+    loo = 0.0
+    for i in range(n):
+        keep = np.arange(n) != i
+        Wi = refit(X[keep], Z[keep], shift, M)
+        loo += float(((Z[i] - X[i] @ Wi) ** 2).sum())
+    return rss, dof, n * rss / (n - dof) ** 2, loo / n
+
+
+def from_statistics(X, Z, **kwargs):
+    return fastls.RidgePath.from_statistics(X.T @ X, X.T @ Z, float((Z ** 2).sum()), X.shape[0], **kwargs)
+
+
+@pytest.mark.parametrize("n, d", [(40, 12), (9, 15)])
+@pytest.mark.parametrize("centered", [False, True])
+def test_criteria_equal_brute_force_refits(n, d, centered):
+    rng = np.random.default_rng(n * 100 + d + centered)
+    X, Z = problem(rng, n, d)
+    M = rng.standard_normal((d, Z.shape[1])) if centered else None
+    rows = fastls.RidgePath.from_rows(X, Z, center=M)
+    stats = from_statistics(X, Z, center=M)
+    reference = np.array([explicit(X, Z, a, M) for a in SHIFTS])
+    for path, shifts in ((rows, SHIFTS), (stats, SHIFTS if n > d else SHIFTS[1:])):
+        # From statistics alone an RSS far below tr(Z^T Z) (n < d, a -> 0 interpolates)
+        # keeps only its absolute accuracy: that regime is checked from rows.
+        expected = reference[[SHIFTS.index(a) for a in shifts]]
+        np.testing.assert_allclose(path.residual_ss(shifts), expected[:, 0], rtol=1e-10)
+        np.testing.assert_allclose(path.dof(shifts), expected[:, 1], rtol=1e-10)
+        np.testing.assert_allclose(path.gcv(shifts), expected[:, 2], rtol=1e-10)
+        for a in SHIFTS:
+            assert_close(path.solve(a), refit(X, Z, a, M), np.float64, rtol=1e-10)
+    np.testing.assert_allclose(rows.loo(SHIFTS), reference[:, 3], rtol=1e-10)
+
+
+def test_centered_solution_is_the_proximal_solve():
+    rng = np.random.default_rng(3)
+    X, Z = problem(rng)
+    M = rng.standard_normal((X.shape[1], Z.shape[1]))
+    path = from_statistics(X, Z, center=M)
+    expected = fastls.proximal_solve(X.T @ X, X.T @ Z, 40.0, M)
+    assert_close(path.solve(40.0), expected, np.float64, rtol=1e-10)
+
+
+@pytest.mark.parametrize("centered", [False, True])
+def test_basis_coordinates_give_the_same_path(centered):
+    rng = np.random.default_rng(4)
+    n, d, k, m = 50, 10, 3, 8
+    X = rng.standard_normal((n, d))
+    Y = np.eye(k)[rng.integers(0, k, n)]
+    Q = rng.standard_normal((k, m))
+    M = rng.standard_normal((d, k)) @ Q if centered else None
+    plain = from_statistics(X, Y @ Q, center=M)
+    in_basis = from_statistics(X, Y @ Q, center=M, rhs_basis=Q)
+    rows = fastls.RidgePath.from_rows(X, Y, center=M, rhs_basis=Q)
+    full_rows = fastls.RidgePath.from_rows(X, Y @ Q, center=M)
+    for path in (in_basis, rows):
+        np.testing.assert_allclose(path.gcv(SHIFTS), plain.gcv(SHIFTS), rtol=1e-10)
+        assert_close(path.solve(2.0), plain.solve(2.0), np.float64, rtol=1e-10)
+    np.testing.assert_allclose(rows.loo(SHIFTS), full_rows.loo(SHIFTS), rtol=1e-10)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), parts=st.integers(1, 6), data=st.data())
+def test_selected_shift_does_not_depend_on_the_partition(seed, parts, data):
+    """Sums over any partition of the rows select the same gamma as the whole data."""
+    rng = np.random.default_rng(seed)
+    X, Z = problem(rng, n=60, d=8, m=4, noise=1.0)
+    cuts = sorted(data.draw(st.lists(st.integers(1, 59), min_size=parts - 1, max_size=parts - 1, unique=True)))
+    G, C, zz, n = np.zeros((8, 8)), np.zeros((8, 4)), 0.0, 0
+    for rows in np.split(np.arange(60), cuts):
+        G += X[rows].T @ X[rows]
+        C += X[rows].T @ Z[rows]
+        zz += float((Z[rows] ** 2).sum())
+        n += len(rows)
+    whole, _, _ = from_statistics(X, Z).select()
+    summed, _, _ = fastls.RidgePath.from_statistics(G, C, zz, n).select()
+    assert summed == pytest.approx(whole, rel=1e-6)
+
+
+def test_select_finds_the_grid_minimum_and_refines_it():
+    rng = np.random.default_rng(5)
+    X, Z = problem(rng, n=200, d=30, noise=3.0)
+    path = from_statistics(X, Z)
+    shift, grid, scores = path.select()
+    assert len(grid) == len(scores) == len(fastls.DEFAULT_GRID)
+    assert path.gcv([shift])[0] <= scores.min() * (1 + 1e-12)
+    fine = np.geomspace(grid[0], grid[-1], 4000)
+    assert path.gcv([shift])[0] <= path.gcv(fine).min() * (1 + 1e-6)
+    loo_shift, _, loo_scores = fastls.RidgePath.from_rows(X, Z).select("loo")
+    assert fastls.RidgePath.from_rows(X, Z).loo([loo_shift])[0] <= loo_scores.min() * (1 + 1e-12)
+
+
+def test_float32_statistics_agree_with_float64():
+    rng = np.random.default_rng(6)
+    X, Z = problem(rng, n=300, d=20, noise=1.0)
+    X32, Z32 = X.astype(np.float32), Z.astype(np.float32)
+    path32 = fastls.RidgePath.from_statistics(X32.T @ X32, X32.T @ Z32, float((Z32.astype(np.float64) ** 2).sum()),
+                                              300)
+    np.testing.assert_allclose(path32.gcv(SHIFTS), from_statistics(X, Z).gcv(SHIFTS), rtol=1e-4)
+
+
+def test_bad_input_is_refused_with_what_was_expected():
+    rng = np.random.default_rng(7)
+    X, Z = problem(rng)
+    G, C = X.T @ X, X.T @ Z
+    with pytest.raises(ValueError, match="n \\(rows of X\\) must be an int >= 1"):
+        fastls.RidgePath.from_statistics(G, C, 1.0, 0)
+    with pytest.raises(ValueError, match="zz .* must be finite and >= 0"):
+        fastls.RidgePath.from_statistics(G, C, np.nan, 40)
+    bad = G.copy()
+    bad[0, 3] = np.inf
+    with pytest.raises(ValueError, match="G contains NaN or Inf"):
+        fastls.RidgePath.from_statistics(bad, C, 1.0, 40)
+    with pytest.raises(ValueError, match="center must have shape"):
+        fastls.RidgePath.from_statistics(G, C, 1.0, 40, center=np.ones((3, 3)))
+    with pytest.raises(ValueError, match="Z must have one row per row of X"):
+        fastls.RidgePath.from_rows(X, Z[:-1])
+    with pytest.raises(ValueError, match="leave-one-out needs the rows"):
+        fastls.RidgePath.from_statistics(G, C, 1.0, 40).loo([1.0])
+    path = fastls.RidgePath.from_rows(X, Z)
+    with pytest.raises(ValueError, match="shifts must be finite and > 0"):
+        path.gcv([1.0, -2.0])
+    with pytest.raises(ValueError, match="criterion must be one of"):
+        path.select("aic")
