@@ -418,6 +418,15 @@ class ConvStats:
         Images the caller will add before :meth:`finish`, when known: 'auto'
         then weighs the overlap's one pass over G against that many images
         (:func:`conv_stats_method`).
+    position_basis : ndarray of shape (out_h, out_w, k, m), optional
+        Per-position targets in factored form: the target of image n at
+        output position (y, x) is ``targets[n] @ position_basis[y, x]``, and
+        :meth:`update` takes the (B, k) coordinates (e.g. one-hot labels when
+        each position has its own label code). C is then formed from the k
+        target-weighted sums of the images (patches are linear in the image):
+        one im2col of k images and one (d, k P) x (k P, m) product at
+        :meth:`finish`, so G keeps the per-image methods (the overlap)
+        instead of im2col's per-position path.
 
     Notes
     -----
@@ -433,7 +442,7 @@ class ConvStats:
 
     def __init__(self, G, C, image_shape, kernel_size, *, stride=1, padding=0, append_ones=False,
                  per_image_targets=True, method="auto", scratch_bytes=DEFAULT_SCRATCH_BYTES,
-                 block_rows=DEFAULT_BLOCK_ROWS, images=None):
+                 block_rows=DEFAULT_BLOCK_ROWS, images=None, position_basis=None):
         _check_output("G", G, 2)
         _check_output("C", C, 2)
         try:
@@ -456,6 +465,21 @@ class ConvStats:
         self.geometry = geometry
         self.append_ones = bool(append_ones)
         self.per_image_targets = bool(per_image_targets)
+        self._factored = None  # with a position basis: (basis, weighted image sums, target column sums)
+        if position_basis is not None:
+            _check_array("position_basis", position_basis, 4)
+            if not per_image_targets:
+                raise ValueError("position_basis takes per-image target coordinates: per_image_targets must be True")
+            if position_basis.shape[:2] != (out_h, out_w) or position_basis.shape[3] != C.shape[1]:
+                raise ValueError(f"position_basis must have shape ({out_h}, {out_w}, k, {C.shape[1]}) "
+                                 f"(out_h, out_w, k, m), got {position_basis.shape}")
+            _check_finite("position_basis", position_basis)
+            k = position_basis.shape[2]
+            self._factored = (np.asarray(position_basis, dtype=np.float64),
+                              np.zeros((k, H * W * channels)), np.zeros(k))
+            # The per-image kernels still form (sum of patches)^T targets: into a scratch (d, k) C.
+            self.C = np.zeros((d, k), dtype=G.dtype)
+            self._C_out = C
         self.scratch_bytes = _check_count("scratch_bytes", scratch_bytes)
         self.block_rows = _check_count("block_rows", block_rows)
         self.method = _pick_conv_method(method, self.image_shape, (kh, kw), (sh, sw), (ph, pw),
@@ -521,6 +545,11 @@ class ConvStats:
             self._update_overlap(images, targets, mixed)
         else:
             self._update_im2col(images, targets, mixed)
+        if self._factored is not None:
+            _, sums, column_sums = self._factored
+            # S_j += sum_n targets[n, j] images[n], in float64 (one (k x B) x (B x HWC) product).
+            sums += targets.T.astype(np.float64) @ images.reshape(images.shape[0], -1).astype(np.float64)
+            column_sums += targets.sum(axis=0, dtype=np.float64)
         return self
 
     def _update_overlap(self, images, targets, mixed):
@@ -592,7 +621,26 @@ class ConvStats:
             _kernels.overlap_fold(acc, pending, groups, blocks, self.G, *_layout(self.G),
                                   self.G.dtype != acc.dtype)
             self._partial = None
+        if self._factored is not None:
+            self._finish_factored()
+            return self.G, self._C_out
         return self.G, self.C
+
+    def _finish_factored(self):
+        """C += sum_j im2col(S_j)^T B_j over positions, S_j the target-weighted image sums; then restart them."""
+        basis, sums, column_sums = self._factored
+        kh, kw, sh, sw, ph, pw, out_h, out_w = self.geometry
+        k, m = basis.shape[2], basis.shape[3]
+        patches = im2col(sums.reshape(k, *self.image_shape), (kh, kw), stride=(sh, sw), padding=(ph, pw))
+        # Rows of the patches run (j, y, x); the basis rows must too.
+        update = patches.T @ basis.transpose(2, 0, 1, 3).reshape(k * out_h * out_w, m)
+        C = self._C_out
+        C[:update.shape[0]] += update.astype(C.dtype, copy=False)
+        if self.append_ones:
+            # The bias column of a patch is 1: its row of C is sum_j (sum_n targets[n, j]) sum_positions B_j.
+            C[-1] += (column_sums @ basis.sum(axis=(0, 1))).astype(C.dtype, copy=False)
+        sums[:] = 0.0
+        column_sums[:] = 0.0
 
     def __enter__(self):
         return self

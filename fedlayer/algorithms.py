@@ -107,7 +107,8 @@ class AnalyticAlgorithm(Algorithm):
     def make_client(self, cid, data, config, n_classes, model_config, cores):
         # Activations too large for RAM go under the run's output folder (else a temporary one).
         cache_dir = Path(config.output) / "activations" if config.output else None
-        return Client(cid, data, model_config, config.seed, n_classes, cores, np.float64, cache_dir=cache_dir)
+        return Client(cid, data, model_config, config.seed, n_classes, cores, np.float64, cache_dir=cache_dir,
+                      conv_targets=config.conv_targets)
 
     def train(self, config, transport, model, clock, progress):
         resume_state = None
@@ -123,7 +124,7 @@ class AnalyticAlgorithm(Algorithm):
             transport, n_layers, self.variant, gamma=config.gamma, eps=config.eps,
             groups=config.groups, seed=config.seed, batch_size=config.batch_size,
             max_batch_size=config.max_batch_size, clock=clock, progress=progress, checkpoint=checkpoint,
-            resume=resume_state, fingerprint=config.fingerprint(), target_bases=target_bases(model, config.seed),
+            resume=resume_state, fingerprint=config.fingerprint(), target_bases=target_bases(model, config.seed, config.conv_targets),
         )
         group_of = {int(cid): k for cid, k in outcome["groups"].items()}
         group_weights = outcome["group_weights"]

@@ -23,8 +23,8 @@ import fastls
 from .data import ClientData, one_hot
 from .models import Model
 
-__all__ = ["Client", "label_encoders", "target_bases", "encoder_for_clustering", "init_weights",
-           "CLIENT_SCRATCH_BYTES"]
+__all__ = ["Client", "label_encoders", "encoder_widths", "target_bases", "encoder_for_clustering", "init_weights",
+           "CLIENT_SCRATCH_BYTES", "CONV_TARGETS"]
 
 #: A client computes one layer's statistics at a time, so it can afford more
 #: than fastls's default chunk: on the DCNN's 4 x 4 x 2048 map, 256 MiB takes a
@@ -60,18 +60,49 @@ def label_encoders(seed, n_classes, widths):
     return [rng.standard_normal((n_classes, width)) for width in widths[:-1]]
 
 
-def target_bases(model, seed):
-    """Per trainable layer, the basis its targets are encoded in: Q_l in the model dtype, None for the output.
+CONV_TARGETS = ("position", "image")
+
+
+def encoder_widths(model, conv_targets="position"):
+    """d_l of every trainable layer: the width its label encoder Q_l must have.
+
+    d_l is the width of the layer's output per sample (the paper's Z_l in
+    R^{N x d_l}): the units of a dense layer, and out_h x out_w x filters for
+    a convolution with ``conv_targets="position"``, so that every output
+    position has its own code of the label. ``"image"`` gives a convolution
+    one code of width filters, repeated at every position.
+    """
+    if conv_targets not in CONV_TARGETS:
+        raise ValueError(f"conv_targets must be one of {CONV_TARGETS}, got {conv_targets!r}")
+    widths = []
+    for index in model.trainable:
+        layer = model.layers[index]
+        input_shape = model.input_shape_of(index)
+        width = layer.ls_shape(input_shape)[1]
+        if conv_targets == "position":
+            width *= layer.rows_per_sample(input_shape)
+        widths.append(width)
+    return widths
+
+
+def target_bases(model, seed, conv_targets="position"):
+    """Per trainable layer, the basis its targets are encoded in: Q_l in the model dtype, or None.
 
     Hidden-layer targets are Z_l = Y Q_l, so X^T Z_l = (X^T Y) Q_l and every
     solve can run on the n_classes columns of its coordinates in Q_l (the
-    ``rhs_basis`` of the fastls solves).
+    ``rhs_basis`` of the fastls solves). None for the output layer and for
+    convolutions coded per position (their X^T Z_l sums a different code per
+    position: it has no n_classes-column form).
     """
-    widths = [model.layers[i].ls_shape(model.input_shape_of(i))[1] for i in model.trainable]
+    widths = encoder_widths(model, conv_targets)
     n_classes = widths[-1]
-    encoders = [Q.astype(model.dtype) for Q in label_encoders(seed, n_classes, widths)]
-    # A basis helps only when it is narrower than the layer.
-    return [Q if Q.shape[0] < Q.shape[1] else None for Q in encoders] + [None]
+    bases = []
+    for index, Q in zip(model.trainable, label_encoders(seed, n_classes, widths)):
+        per_position = model.layers[index].rows_per_sample(model.input_shape_of(index)) > 1 \
+            and conv_targets == "position"
+        # A basis helps only when it is narrower than the layer.
+        bases.append(None if per_position or Q.shape[0] >= Q.shape[1] else Q.astype(model.dtype))
+    return bases + [None]
 
 
 def encoder_for_clustering(encoders, n_classes):
@@ -164,6 +195,9 @@ class Client:
         removed with the client.
     cache_ram_bytes : int, default=16 MiB
         Activations of one split up to this size stay in memory.
+    conv_targets : {"position", "image"}, default="position"
+        How a convolution's targets encode the label (:func:`encoder_widths`):
+        a code per output position, or one code per image.
 
     Notes
     -----
@@ -176,7 +210,7 @@ class Client:
 
     def __init__(self, client_id, data: ClientData, model_config, seed, n_classes, cores=1,
                  stat_dtype=np.float64, scratch_bytes=CLIENT_SCRATCH_BYTES, cache_dir=None,
-                 cache_ram_bytes=16 * 2**20):
+                 cache_ram_bytes=16 * 2**20, conv_targets="position"):
         self.client_id = int(client_id)
         self.data = data
         self.model = Model.from_config(model_config)
@@ -186,9 +220,9 @@ class Client:
         self.stat_dtype = np.dtype(stat_dtype)
         self.scratch_bytes = int(scratch_bytes)
         init_weights(self.model, self.seed)
-        widths = [self.model.layers[i].ls_shape(self.model.input_shape_of(i))[1] for i in self.model.trainable]
-        self.encoders = label_encoders(self.seed, self.n_classes, widths)
-        self.bases = target_bases(self.model, self.seed)
+        self.conv_targets = conv_targets
+        self.encoders = label_encoders(self.seed, self.n_classes, encoder_widths(self.model, conv_targets))
+        self.bases = target_bases(self.model, self.seed, conv_targets)
         self.meta_weights = {}  # position -> the group's meta-model weights, kept for personalization
         self.cache_ram_bytes = int(cache_ram_bytes)
         self._cache_dir = Path(cache_dir) if cache_dir is not None else None
@@ -203,11 +237,40 @@ class Client:
 
     # -- helpers -----------------------------------------------------------
     def _targets(self, position, labels):
-        """Z_l = Y Q_l for a hidden layer, Y for the output layer."""
+        """Z_l = Y Q_l for a hidden layer, Y for the output layer.
+
+        Shape (B, m), or (B, out_h, out_w, m) for a convolution coded per position.
+        """
         Y = one_hot(labels, self.n_classes, dtype=self.model.dtype)
-        if position < len(self.encoders):
-            return Y @ self.encoders[position].astype(self.model.dtype, copy=False)
-        return Y
+        if position >= len(self.encoders):
+            return Y
+        Z = Y @ self.encoders[position].astype(self.model.dtype, copy=False)
+        shape = self._position_shape(position)
+        return Z if shape is None else Z.reshape(len(Y), *shape)
+
+    def _position_shape(self, position):
+        """(out_h, out_w, m) when layer ``position``'s label code differs per output position, else None."""
+        if self.conv_targets != "position" or position >= len(self.encoders):
+            return None
+        index = self.model.trainable[position]
+        layer = self.model.layers[index]
+        input_shape = self.model.input_shape_of(index)
+        return tuple(layer.output_shape(input_shape)) if layer.rows_per_sample(input_shape) > 1 else None
+
+    def _position_basis(self, position):
+        """Q_l as (out_h, out_w, n_classes, m) for :class:`fastls.ConvStats` (one-hot coordinates), or None."""
+        shape = self._position_shape(position)
+        if shape is None:
+            return None
+        return self.encoders[position].reshape(self.n_classes, *shape).transpose(1, 2, 0, 3)
+
+    def _row_targets(self, position, labels):
+        """The targets of the layer's least-squares rows, (len(labels) x rows per sample, m)."""
+        Z = self._targets(position, labels)
+        if Z.ndim > 2:
+            return Z.reshape(-1, Z.shape[-1])
+        index = self.model.trainable[position]
+        return np.repeat(Z, self.model.layers[index].rows_per_sample(self.model.input_shape_of(index)), axis=0)
 
     # -- activations, one pass per layer and stage -----------------------
     def _split(self, split):
@@ -320,11 +383,16 @@ class Client:
         G = np.zeros((n_in, n_in), dtype=self.stat_dtype)
         C = np.zeros((n_in, n_out), dtype=self.stat_dtype)
         order = rng.permutation(self.data.n_train) if rng is not None else np.arange(self.data.n_train)
-        with layer.statistics(G, C, scratch_bytes=self.scratch_bytes, samples=len(order)) as stats:
+        basis = self._position_basis(position)
+        with layer.statistics(G, C, scratch_bytes=self.scratch_bytes, samples=len(order),
+                              position_basis=basis) as stats:
             for first in range(0, len(order), batch_size):
                 # Sorted within a batch: the rows are read in file order from a memory map.
                 batch = np.sort(order[first:first + batch_size])
-                stats.update(x[batch], self._targets(position, self.data.y_train[batch]))
+                labels = self.data.y_train[batch]
+                # Codes per position go in as one-hot coordinates of the basis.
+                stats.update(x[batch], self._targets(position, labels) if basis is None
+                             else one_hot(labels, self.n_classes, dtype=self.model.dtype))
         return G, C, forward_s, time.perf_counter() - start - forward_s
 
     def _target_moments(self, position):
@@ -336,8 +404,9 @@ class Client:
         layer_index = self.model.trainable[position]
         rows_per_sample = self.model.layers[layer_index].rows_per_sample(self.model.input_shape_of(layer_index))
         counts = np.bincount(self.data.y_train, minlength=self.n_classes).astype(np.float64)
-        per_class = self._targets(position, np.arange(self.n_classes)).astype(np.float64)
-        zz = rows_per_sample * float(counts @ np.einsum("ij,ij->i", per_class, per_class))
+        per_class = self._row_targets(position, np.arange(self.n_classes)).astype(np.float64)
+        per_class = per_class.reshape(self.n_classes, -1)  # a class's targets over all its rows
+        zz = float(counts @ np.einsum("ij,ij->i", per_class, per_class))
         return zz, self.data.n_train * rows_per_sample
 
     # -- methods the server calls -------------------------------------------
@@ -414,8 +483,7 @@ class Client:
                 x = self._layer_inputs("train", layer_index)
                 forward_s = time.perf_counter() - start
                 A = layer.ls_rows(np.asarray(x))
-                Z = np.repeat(self._targets(position, self.data.y_train).astype(A.dtype, copy=False),
-                              layer.rows_per_sample(input_shape), axis=0)
+                Z = self._row_targets(position, self.data.y_train).astype(A.dtype, copy=False)
                 stats_s = 0.0
                 solve_start = time.perf_counter()
                 W = fastls.proximal_solve_dual(A, Z, eps, M, rhs_basis=basis)
@@ -443,9 +511,9 @@ class Client:
                 stats_start = time.perf_counter()
                 A = layer.ls_rows(np.asarray(x))
                 # With a basis the targets are passed as their coordinates Y (Z = Y Q).
-                labels = np.repeat(self.data.y_train, layer.rows_per_sample(input_shape))
-                Z = (one_hot(labels, self.n_classes, dtype=np.float64) if basis is not None
-                     else self._targets(position, labels))
+                Z = (one_hot(np.repeat(self.data.y_train, layer.rows_per_sample(input_shape)), self.n_classes,
+                             dtype=np.float64) if basis is not None
+                     else self._row_targets(position, self.data.y_train))
                 stats_s = time.perf_counter() - stats_start
                 solve_start = time.perf_counter()
                 path = fastls.RidgePath.from_rows(A, Z, center=M, rhs_basis=basis)

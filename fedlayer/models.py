@@ -558,17 +558,22 @@ class TrainableLayer(Layer):
         with self.statistics(G, C, scratch_bytes=scratch_bytes) as stats:
             stats.update(x, z)
 
-    def statistics(self, G, C, *, scratch_bytes=DEFAULT_SCRATCH_BYTES, samples=None):
+    def statistics(self, G, C, *, scratch_bytes=DEFAULT_SCRATCH_BYTES, samples=None, position_basis=None):
         """A running accumulator of G and C over batches: ``update(x, z)``, then ``finish()``.
 
         Use it as a context manager; G and C are complete when it closes.
         Batches are checked as in :meth:`accumulate`. ``samples``, the total
         the batches will hold when known, lets the kernels pick their method
-        for the whole pass.
+        for the whole pass. ``position_basis`` (Conv2d only, shape (out_h,
+        out_w, k, filters)): ``z`` holds (B, k) coordinates and the target at
+        output position (y, x) is ``z @ position_basis[y, x]``
+        (:class:`fastls.ConvStats`).
         """
-        return _LayerStatistics(self, G, C, scratch_bytes, samples)
+        if position_basis is not None and not isinstance(self, Conv2d):
+            raise ValueError(f"{self!r} has no output positions: position_basis applies to Conv2d layers only")
+        return _LayerStatistics(self, G, C, scratch_bytes, samples, position_basis)
 
-    def _statistics_kernel(self, G, C, x, z, scratch_bytes, samples):
+    def _statistics_kernel(self, G, C, x, z, scratch_bytes, samples, position_basis=None):
         """What adds checked batches like the first one, (x, z): an object with update(x, z) and finish()."""
         raise NotImplementedError
 
@@ -665,7 +670,7 @@ class Dense(TrainableLayer):
         """
         super().accumulate(G, C, x, z, scratch_bytes=scratch_bytes)
 
-    def _statistics_kernel(self, G, C, x, z, scratch_bytes, samples):
+    def _statistics_kernel(self, G, C, x, z, scratch_bytes, samples, position_basis=None):
         return _DenseKernel(self, G, C, scratch_bytes)
 
     _INPUT_NDIM, _INPUT_WHAT = 2, "(B, d)"
@@ -809,10 +814,11 @@ class Conv2d(TrainableLayer):
         """
         super().accumulate(G, C, x, z, scratch_bytes=scratch_bytes)
 
-    def _statistics_kernel(self, G, C, x, z, scratch_bytes, samples):
+    def _statistics_kernel(self, G, C, x, z, scratch_bytes, samples, position_basis=None):
         # The first batch's targets say per image or per position.
         return fastls.ConvStats(G, C, x.shape[1:], self.kernel_size, per_image_targets=z.ndim == 2,
-                                scratch_bytes=scratch_bytes, images=samples, **self._conv_kwargs())
+                                scratch_bytes=scratch_bytes, images=samples, position_basis=position_basis,
+                                **self._conv_kwargs())
 
     _INPUT_NDIM, _INPUT_WHAT = 4, "(B, H, W, C)"
 
@@ -874,22 +880,26 @@ class Conv2d(TrainableLayer):
 class _LayerStatistics:
     """Checks each batch as the layer's ``accumulate`` did, then hands it to the layer's kernel."""
 
-    def __init__(self, layer, G, C, scratch_bytes, samples=None):
+    def __init__(self, layer, G, C, scratch_bytes, samples=None, position_basis=None):
         self.layer = layer
         self.G, self.C = G, C
         self.scratch_bytes = _positive_int("scratch_bytes", scratch_bytes)
         self.samples = samples
+        self.position_basis = position_basis
         self._kernel = None
 
     def update(self, x, z):
         layer = self.layer
         x = layer._ls_input(x, layer._INPUT_NDIM, layer._INPUT_WHAT)
-        z = layer._ls_target(z, x.shape[0], x.dtype, layer._target_shapes(x))
+        shapes = (layer._target_shapes(x) if self.position_basis is None
+                  else [(x.shape[0], self.position_basis.shape[2])])
+        z = layer._ls_target(z, x.shape[0], x.dtype, shapes)
         layer._check_stats(self.G, self.C, layer._n_inputs(x.shape[1:]))
         if x.shape[0] == 0:
             return self
         if self._kernel is None:
-            self._kernel = layer._statistics_kernel(self.G, self.C, x, z, self.scratch_bytes, self.samples or len(x))
+            self._kernel = layer._statistics_kernel(self.G, self.C, x, z, self.scratch_bytes, self.samples or len(x),
+                                                    self.position_basis)
         self._kernel.update(x, z)
         return self
 

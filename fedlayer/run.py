@@ -27,7 +27,7 @@ import fastls
 
 from ._validation import Boolean, InstanceOf, Interval, ListOf, Options, check_params
 from .algorithms import ALGORITHMS
-from .client import Client
+from .client import CONV_TARGETS, Client
 from .data import KNOWN_DATASETS, ClientData, load_federated
 from .models import KNOWN_MODELS, build_model
 from .timing import Clock, time_summary
@@ -53,6 +53,7 @@ CONFIG_CONSTRAINTS = {
     "batch_size": _POSITIVE_INT,
     "max_batch_size": _POSITIVE_INT,
     "width": _POSITIVE,
+    "conv_targets": [Options(*CONV_TARGETS)],
     "dtype": [Options("float32", "float64")],
     "cores": [None, ListOf(Interval(int, 1, None))],
     "bandwidth_gbps": _POSITIVE,
@@ -91,6 +92,7 @@ class RunConfig:
     batch_size: int = 64         # B_1, the first round's batch size
     max_batch_size: int = 1024   # B_max
     width: float = 1.0           # channel multiplier of the DCNN
+    conv_targets: str = "position"  # a convolution's label code: one per output position, or one per "image"
     dtype: str = "float64"       # data and model dtype; statistics are float64
     cores: list[int] | None = None   # per-client cores (cycled); None = random 1..available per seed
     bandwidth_gbps: float = 100.0
@@ -150,7 +152,7 @@ class RunConfig:
     def fingerprint(self):
         """The settings that determine the trained weights (checked on resume)."""
         return {"algorithm": self.algorithm, "model": self.model, "gamma": self.gamma, "groups": self.groups,
-                "width": self.width, **self.split()}
+                "width": self.width, "conv_targets": self.conv_targets, **self.split()}
 
 
 def client_cores(n_clients, seed, cores=None, available=None):
@@ -178,7 +180,8 @@ def make_clients(config: RunConfig, dataset, model_config, client_ids=None):
     algorithm = ALGORITHMS[config.algorithm]
     cores = client_cores(len(dataset.clients), config.seed, config.cores)
     if algorithm.centralized:
-        return [Client(0, _pooled(dataset), model_config, config.seed, dataset.n_classes, max(cores), np.float64)]
+        return [Client(0, _pooled(dataset), model_config, config.seed, dataset.n_classes, max(cores), np.float64,
+                       conv_targets=config.conv_targets)]
     ids = range(len(dataset.clients)) if client_ids is None else client_ids
     clients = []
     for cid in ids:

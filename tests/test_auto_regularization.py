@@ -61,15 +61,19 @@ def test_gamma_auto_solves_each_layer_with_its_gcv_minimum(rng):
         h = np.maximum(A @ W, 0) if position < 2 else A @ W
 
 
-def test_target_moments_count_every_patch(rng):
+@pytest.mark.parametrize("conv_targets", ["position", "image"])
+def test_target_moments_count_every_patch(rng, conv_targets):
     """tr(Z^T Z) and the row count a conv client uploads equal those of its explicit patch rows."""
     model = build_model("dcnn", (32, 32, 2), N_CLASSES, width=1 / 256)
     x = rng.random((12, 32, 32, 2))
     y = rng.integers(0, N_CLASSES, 12)
-    client = Client(0, client_data(x, y, np.arange(12)), model.config(), seed=1, n_classes=N_CLASSES)
+    client = Client(0, client_data(x, y, np.arange(12)), model.config(), seed=1, n_classes=N_CLASSES,
+                    conv_targets=conv_targets)
     layer = client.model.layers[client.model.trainable[0]]
     rows = layer.ls_rows(x).shape[0]
-    Z = np.repeat(client._targets(0, y), rows // 12, axis=0)
+    targets = client._targets(0, y)
+    Z = targets.reshape(rows, -1) if conv_targets == "position" else np.repeat(targets, rows // 12, axis=0)
+    assert Z.shape == client._row_targets(0, y).shape
     zz, counted = client._target_moments(0)
     assert counted == rows
     assert zz == pytest.approx(float((Z ** 2).sum()), rel=1e-12)

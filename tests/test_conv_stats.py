@@ -175,3 +175,43 @@ def test_plan_covers_every_block_once_per_cell():
             for b in range(a, kh * kw):
                 dy, dx = b // kw - a // kw, b % kw - a % kw
                 assert covered.get((a, b)) == out_h * out_w, (kh, kw, a, b, dy, dx)
+
+
+@settings(max_examples=40, deadline=None)
+@given(geometry, st.integers(1, 4), st.sampled_from(["overlap", "im2col"]), st.integers(0, 2**31 - 1))
+def test_position_basis_equals_explicit_per_position_targets(shape, k, method, seed):
+    """Targets u_n @ B_(y,x), given as coordinates and a basis, equal those targets written out per position."""
+    B, kh, kw, extra_h, extra_w, ph, pw, channels, bias, order = shape
+    H, W = max(1, kh + extra_h - 2 * ph), max(1, kw + extra_w - 2 * pw)
+    if H + 2 * ph < kh or W + 2 * pw < kw:
+        return
+    rng = np.random.default_rng(seed)
+    images = rng.standard_normal((B, H, W, channels))
+    coordinates = rng.standard_normal((B, k))
+    out_h, out_w = fastls.conv_output_shape((H, W), (kh, kw), padding=(ph, pw))
+    basis = rng.standard_normal((out_h, out_w, k, 3))
+    P = fastls.im2col(images, (kh, kw), padding=(ph, pw), append_ones=bias)
+    T = np.einsum("nk,yxkm->nyxm", coordinates, basis).reshape(-1, 3)
+    d = P.shape[1]
+    G, C = np.zeros((d, d), order=order), np.zeros((d, 3))
+    halves = [slice(0, B // 2), slice(B // 2, B)]
+    with fastls.ConvStats(G, C, (H, W, channels), (kh, kw), padding=(ph, pw), append_ones=bias, method=method,
+                          position_basis=basis) as stats:
+        for half in halves:
+            stats.update(images[half], coordinates[half])
+    assert_exact(G, C, P.T @ P, P.T @ T)
+
+
+def test_position_basis_keeps_the_overlap_and_checks_its_shape(rng):
+    images = rng.standard_normal((3, 14, 14, 32))
+    basis = rng.standard_normal((12, 12, 10, 8))
+    d = 9 * 32 + 1
+    G, C = np.zeros((d, d)), np.zeros((d, 8))
+    stats = fastls.ConvStats(G, C, (14, 14, 32), 3, append_ones=True, position_basis=basis)
+    assert stats.method == "overlap"
+    with pytest.raises(ValueError, match=r"targets must have shape \(3, 10\)"):
+        stats.update(images, rng.standard_normal((3, 8)))
+    with pytest.raises(ValueError, match=r"position_basis must have shape \(12, 12, k, 8\)"):
+        fastls.ConvStats(G, C, (14, 14, 32), 3, append_ones=True, position_basis=basis[:-1])
+    with pytest.raises(ValueError, match="per_image_targets must be True"):
+        fastls.ConvStats(G, C, (14, 14, 32), 3, per_image_targets=False, append_ones=True, position_basis=basis)
