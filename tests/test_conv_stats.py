@@ -35,15 +35,24 @@ geometry = st.tuples(
 )
 
 
-@settings(max_examples=60, deadline=None)
-@given(geometry, st.integers(0, 2**31 - 1))
-def test_overlap_equals_im2col_float64(shape, seed):
+def draw_images(shape, seed):
+    """(rng, images, (kh, kw, ph, pw, bias, G order)) for a drawn geometry, or None when the kernel does not fit."""
     B, kh, kw, extra_h, extra_w, ph, pw, channels, bias, order = shape
     H, W = max(1, kh + extra_h - 2 * ph), max(1, kw + extra_w - 2 * pw)
     if H + 2 * ph < kh or W + 2 * pw < kw:
-        return
+        return None
     rng = np.random.default_rng(seed)
-    images = rng.standard_normal((B, H, W, channels))
+    return rng, rng.standard_normal((B, H, W, channels)), (kh, kw, ph, pw, bias, order)
+
+
+@settings(max_examples=60, deadline=None)
+@given(geometry, st.integers(0, 2**31 - 1))
+def test_overlap_equals_im2col_float64(shape, seed):
+    drawn = draw_images(shape, seed)
+    if drawn is None:
+        return
+    rng, images, (kh, kw, ph, pw, bias, order) = drawn
+    B = len(images)
     targets = rng.standard_normal((B, 3))
     G_ref, C_ref = reference(images, targets, (kh, kw), (ph, pw), bias)
     d = G_ref.shape[0]
@@ -181,12 +190,11 @@ def test_plan_covers_every_block_once_per_cell():
 @given(geometry, st.integers(1, 4), st.sampled_from(["overlap", "im2col"]), st.integers(0, 2**31 - 1))
 def test_position_basis_equals_explicit_per_position_targets(shape, k, method, seed):
     """Targets u_n @ B_(y,x), given as coordinates and a basis, equal those targets written out per position."""
-    B, kh, kw, extra_h, extra_w, ph, pw, channels, bias, order = shape
-    H, W = max(1, kh + extra_h - 2 * ph), max(1, kw + extra_w - 2 * pw)
-    if H + 2 * ph < kh or W + 2 * pw < kw:
+    drawn = draw_images(shape, seed)
+    if drawn is None:
         return
-    rng = np.random.default_rng(seed)
-    images = rng.standard_normal((B, H, W, channels))
+    rng, images, (kh, kw, ph, pw, bias, order) = drawn
+    B, H, W, channels = images.shape
     coordinates = rng.standard_normal((B, k))
     out_h, out_w = fastls.conv_output_shape((H, W), (kh, kw), padding=(ph, pw))
     basis = rng.standard_normal((out_h, out_w, k, 3))
