@@ -1,6 +1,7 @@
 """Fig. 6: CIFAR-10 with the paper's DCNN for FedACnnL, -WA, pFedACnnL, -WC and -WP.
 
     python experiments/fig6_cifar.py [--width 1.0] [--algorithms ...] [--runs docs/results/fig6_runs] [--out docs/results]
+        [--conv-targets position|image] [--name fig6]
 
 Each algorithm runs in a process of its own (its peak memory is its own),
 100 clients, Dirichlet beta = 0.1, gamma = 100, eps = 2500, K = 10, every
@@ -59,7 +60,7 @@ def gemm_rate(n=4096, repeats=3):
 
 def config_for(algorithm, args, output=None):
     return RunConfig(algorithm=algorithm, dataset="cifar10", model="dcnn", width=args.width, dtype="float32",
-                     seed=args.seed, cores=[2], output=output)
+                     seed=args.seed, cores=[2], output=output, conv_targets=args.conv_targets)
 
 
 def run_one(algorithm, args):
@@ -128,9 +129,11 @@ def report(args):
     lines = [
         "# Fig. 6: CIFAR-10, DCNN",
         "",
-        f"Command: `python experiments/fig6_cifar.py --width {args.width} --seed {args.seed}` on "
-        f"{any_run['machine']}; 100 clients, Dirichlet beta = 0.1, gamma = 100, eps = 2500, K = 10, every client "
-        f"2 cores, float32 data with float64 statistics. DCNN width x{args.width}: least-squares shapes "
+        f"Command: `python experiments/fig6_cifar.py --width {args.width} --seed {args.seed} --conv-targets "
+        f"{args.conv_targets}` on {any_run['machine']}; 100 clients, Dirichlet beta = 0.1, gamma = 100, eps = 2500, "
+        f"K = 10, every client 2 cores, float32 data with float64 statistics, convolutions' label codes "
+        f"{'per output position' if args.conv_targets == 'position' else 'per image'}. "
+        f"DCNN width x{args.width}: least-squares shapes "
         f"{', '.join(str(s) for s in shapes)}; {n_train} training images. Algorithms missing below have not "
         f"been run yet (each run is kept in `{runs_dir}/ALGORITHM.json`).",
         "",
@@ -194,9 +197,9 @@ def report(args):
         "",
         "Discussion of these figures, and what is still open: [fig6_notes.md](fig6_notes.md).",
     ]
-    (out / "fig6.md").write_text("\n".join(lines) + "\n")
+    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    plot(curves, out / "fig6_accuracy.png", args.width)
+    plot(curves, out / f"{args.name}_accuracy.png", args.width)
     return 0
 
 
@@ -231,6 +234,9 @@ def main():
     parser.add_argument("--work", default="results/fig6",
                         help="the runs' output folders: models, checkpoints, cached activations (tens of GB)")
     parser.add_argument("--out", default="docs/results", help="folder of fig6.md and fig6_accuracy.png")
+    parser.add_argument("--conv-targets", choices=["position", "image"], default="position",
+                        help="label codes of the convolutions (fedlayer run --conv-targets)")
+    parser.add_argument("--name", default="fig6", help="the report's file names: NAME.md, NAME_accuracy.png")
     parser.add_argument("--redo", action="store_true", help="run again algorithms already in --runs")
     parser.add_argument("--report", action="store_true", help="only rebuild the report from --runs")
     parser.add_argument("--one", choices=RUN_ALGORITHMS, help=argparse.SUPPRESS)  # the child process
@@ -252,7 +258,8 @@ def main():
                 print(f"{algorithm}: kept from {args.runs} (--redo runs it again)", flush=True)
                 continue
             child = [sys.executable, __file__, "--one", algorithm, "--width", str(args.width), "--seed",
-                     str(args.seed), "--runs", args.runs, "--work", args.work, "--out", args.out]
+                     str(args.seed), "--runs", args.runs, "--work", args.work, "--out", args.out,
+                     "--conv-targets", args.conv_targets]
             subprocess.run(child, check=True)
     return report(args)
 
