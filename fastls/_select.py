@@ -20,7 +20,7 @@ __all__ = ["RidgePath", "DEFAULT_GRID"]
 #: of the mean eigenvalue trace(G) / d (then refined between grid neighbours).
 DEFAULT_GRID = np.geomspace(1e-9, 1e3, 25)
 
-_CRITERIA = ("gcv", "loo")
+_CRITERIA = ("gcv", "loo", "loo_class")
 # Fitted values held at once by the vectorized leave-one-out (8 MB of float64).
 _LOO_BATCH_VALUES = 1 << 20
 # The refinement stops within 1 % of the minimizing shift: the criteria are flat there.
@@ -44,7 +44,7 @@ class RidgePath:
         Rows of X.
     """
 
-    def __init__(self, eigenvalues, V, B, residual_ss, n, center, basis, U=None, UtR=None, R=None):
+    def __init__(self, eigenvalues, V, B, residual_ss, n, center, basis, U=None, UtR=None, R=None, Z=None):
         self.eigenvalues = eigenvalues
         self.n = n
         self._V, self._B = V, B
@@ -54,7 +54,7 @@ class RidgePath:
         metric = None if basis is None else basis @ basis.T
         self._metric = metric
         self._b2 = _row_norms(B, metric)
-        self._U, self._UtR, self._R = U, UtR, R
+        self._U, self._UtR, self._R, self._Z = U, UtR, R, Z
         self._U2 = None  # U * U, the leverages' weights, made on first use
         if U is not None:
             self._c2 = _row_norms(UtR, metric)
@@ -145,6 +145,7 @@ class RidgePath:
                                  f"coordinates per row, got shape {Z.shape}")
             if M is not None:
                 M, _ = _basis_coordinates("center", M, basis, np.float64)
+        Z64 = R
         if M is not None:
             R = R - X64 @ M
         U, lam, V = _thin_svd(X64)
@@ -152,7 +153,7 @@ class RidgePath:
         # B = V^T X^T R = diag(s) U^T R over the r = min(n, d) directions X spans.
         return cls(lam, V, np.sqrt(lam)[:, None] * UtR,
                    float(_row_norms(R, None if basis is None else basis @ basis.T).sum()),
-                   X.shape[0], M, basis, U=U, UtR=UtR, R=R)
+                   X.shape[0], M, basis, U=U, UtR=UtR, R=R, Z=Z64)
 
     # -- criteria -------------------------------------------------------------
     def residual_ss(self, shifts):
@@ -190,12 +191,46 @@ class RidgePath:
         Exact: e_i = (r_i - x_i W(a)) / (1 - h_ii(a)) with the hat matrix
         H(a) = U diag(s^2 / (s^2 + a)) U^T.
         """
+        a = _shifts(shifts)
+        out = np.empty(len(a))
+        for batch, held_out in self._held_out(a):
+            weighted = held_out if self._metric is None else held_out @ self._metric
+            out[batch] = (weighted * held_out).sum(axis=(1, 2)) / self.n
+        return out
+
+    def loo_errors(self, shifts, labels):
+        """Share of rows whose leave-one-out prediction is nearer another class's code than its own (from_rows only).
+
+        The codes are the unit vectors of the targets' coordinates: the
+        classes of one-hot targets (the output layer), or, with a basis Q,
+        the rows of Q (Z = Y Q), nearness measured in the metric Q Q^T.
+
+        Parameters
+        ----------
+        shifts : array-like of float > 0
+        labels : array-like of int, shape (n,)
+            The class of each row, in [0, k).
+        """
+        a = _shifts(shifts)
+        labels = np.asarray(labels)
+        if labels.shape != (self.n,) or labels.dtype.kind not in "iu":
+            raise ValueError(f"labels must be {self.n} integer classes, one per row, got shape {labels.shape} "
+                             f"and dtype {labels.dtype}")
+        out = np.empty(len(a))
+        S = np.eye(self._Z.shape[1]) if self._metric is None else self._metric
+        for batch, held_out in self._held_out(a):
+            predicted = self._Z - held_out                                   # (s, n, k)
+            # Nearest code c: argmax_c 2 (p S)_c - S_cc.
+            nearest = np.argmax(2.0 * (predicted @ S) - np.diag(S), axis=2)
+            out[batch] = (nearest != labels).mean(axis=1)
+        return out
+
+    def _held_out(self, a):
+        """(slice, leave-one-out residuals (s, n, k)) for batches of the shifts a."""
         if self._U is None:
             raise ValueError("leave-one-out needs the rows: build the path with RidgePath.from_rows")
-        a = _shifts(shifts)
         lam = self.eigenvalues
         n, k = self._R.shape
-        out = np.empty(len(a))
         if self._U2 is None:
             self._U2 = self._U * self._U
         # Shifts in batches of about _LOO_BATCH_VALUES fitted values: one batched gemm each.
@@ -206,22 +241,33 @@ class RidgePath:
             fitted = np.matmul(self._U, shrink[:, :, None] * self._UtR)      # (s, n, k)
             # A row with leverage 1 is fitted exactly by any shift: it carries no held-out information.
             held_out = (self._R - fitted) / np.maximum(1.0 - leverage, np.finfo(np.float64).eps)[:, :, None]
-            weighted = held_out if self._metric is None else held_out @ self._metric
-            out[first:first + step] = (weighted * held_out).sum(axis=(1, 2)) / n
-        return out
+            yield slice(first, first + step), held_out
 
-    def criterion(self, name, shifts):
-        """``gcv`` or ``loo`` per shift."""
+    def criterion(self, name, shifts, labels=None):
+        """``gcv``, ``loo`` or ``loo_class`` per shift.
+
+        ``loo_class`` is the leave-one-out error rate of the class decision
+        (:meth:`loo_errors`, needs ``labels``) plus the mean squared
+        leave-one-out error scaled below one misclassified row, so that
+        among shifts with as many errors the better fit wins.
+        """
         if name not in _CRITERIA:
             raise ValueError(f"criterion must be one of {_CRITERIA}, got {name!r}")
-        return getattr(self, name)(shifts)
+        if name != "loo_class":
+            return getattr(self, name)(shifts)
+        if labels is None:
+            raise ValueError("criterion 'loo_class' needs the labels of the rows")
+        squared = self.loo(shifts)
+        # Monotone in the squared error and below 1 / (2 n), half of one misclassified row.
+        scale = max(self._rss0 / self.n, np.finfo(np.float64).tiny)
+        return self.loo_errors(shifts, labels) + squared / (squared + scale) / (2.0 * self.n)
 
     def default_grid(self):
         """:data:`DEFAULT_GRID` times the mean eigenvalue (times 1 when G is 0)."""
         scale = float(self.eigenvalues.sum()) / max(len(self.eigenvalues), 1)
         return DEFAULT_GRID * (scale if scale > 0 else 1.0)
 
-    def select(self, criterion="gcv", shifts=None, refine=True):
+    def select(self, criterion="gcv", shifts=None, refine=True, labels=None):
         """The shift that minimizes the criterion.
 
         Parameters
@@ -231,7 +277,9 @@ class RidgePath:
             The grid searched; default :meth:`default_grid`.
         refine : bool, default=True
             Then minimize in log(shift) between the best grid point's neighbours
-            (bounded Brent).
+            (bounded Brent; not for ``loo_class``, a step function).
+        labels : array-like of int, optional
+            The rows' classes, for ``loo_class``.
 
         Returns
         -------
@@ -241,10 +289,10 @@ class RidgePath:
             The criterion on the grid (what a plot of the curve needs).
         """
         grid = self.default_grid() if shifts is None else _shifts(shifts)
-        scores = self.criterion(criterion, grid)
+        scores = self.criterion(criterion, grid, labels)
         best = int(np.argmin(scores))
         shift = float(grid[best])
-        if refine and len(grid) > 1 and np.isfinite(scores[best]):
+        if refine and criterion != "loo_class" and len(grid) > 1 and np.isfinite(scores[best]):
             low, high = np.log(grid[max(best - 1, 0)]), np.log(grid[min(best + 1, len(grid) - 1)])
             if high > low:
                 found = scipy.optimize.minimize_scalar(

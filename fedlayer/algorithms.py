@@ -108,7 +108,7 @@ class AnalyticAlgorithm(Algorithm):
         # Activations too large for RAM go under the run's output folder (else a temporary one).
         cache_dir = Path(config.output) / "activations" if config.output else None
         return Client(cid, data, model_config, config.seed, n_classes, cores, np.float64, cache_dir=cache_dir,
-                      conv_targets=config.conv_targets)
+                      conv_targets=config.conv_targets, eps_criterion=config.eps_criterion)
 
     def train(self, config, transport, model, clock, progress):
         resume_state = None

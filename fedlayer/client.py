@@ -24,7 +24,7 @@ from .data import ClientData, one_hot
 from .models import Model
 
 __all__ = ["Client", "label_encoders", "encoder_widths", "target_bases", "encoder_for_clustering", "init_weights",
-           "CLIENT_SCRATCH_BYTES", "CONV_TARGETS"]
+           "CLIENT_SCRATCH_BYTES", "CONV_TARGETS", "EPS_CRITERIA"]
 
 #: A client computes one layer's statistics at a time, so it can afford more
 #: than fastls's default chunk: on the DCNN's 4 x 4 x 2048 map, 256 MiB takes a
@@ -69,6 +69,7 @@ def _shared_encoders(seed, n_classes, widths):
 
 
 CONV_TARGETS = ("position", "image")
+EPS_CRITERIA = ("loo", "loo_class")
 
 
 def encoder_widths(model, conv_targets="position"):
@@ -206,6 +207,11 @@ class Client:
     conv_targets : {"position", "image"}, default="position"
         How a convolution's targets encode the label (:func:`encoder_widths`):
         a code per output position, or one code per image.
+    eps_criterion : {"loo", "loo_class"}, default="loo"
+        What ``eps="auto"`` minimizes where it takes leave-one-out: the squared
+        error of the targets, or the error rate of the class decision
+        (:meth:`fastls.RidgePath.loo_errors`; a convolution coded per position
+        has no per-class code and keeps "loo").
 
     Notes
     -----
@@ -218,7 +224,7 @@ class Client:
 
     def __init__(self, client_id, data: ClientData, model_config, seed, n_classes, cores=1,
                  stat_dtype=np.float64, scratch_bytes=CLIENT_SCRATCH_BYTES, cache_dir=None,
-                 cache_ram_bytes=16 * 2**20, conv_targets="position"):
+                 cache_ram_bytes=16 * 2**20, conv_targets="position", eps_criterion="loo"):
         self.client_id = int(client_id)
         self.data = data
         self.model = Model.from_config(model_config)
@@ -229,6 +235,9 @@ class Client:
         self.scratch_bytes = int(scratch_bytes)
         init_weights(self.model, self.seed)
         self.conv_targets = conv_targets
+        if eps_criterion not in EPS_CRITERIA:
+            raise ValueError(f"eps_criterion must be one of {EPS_CRITERIA}, got {eps_criterion!r}")
+        self.eps_criterion = eps_criterion
         self.encoders = label_encoders(self.seed, self.n_classes, encoder_widths(self.model, conv_targets))
         self.bases = target_bases(self.model, self.seed, conv_targets)
         self.meta_weights = {}  # position -> the group's meta-model weights, kept for personalization
@@ -525,15 +534,17 @@ class Client:
                 stats_s = time.perf_counter() - stats_start
                 solve_start = time.perf_counter()
                 path = fastls.RidgePath.from_rows(A, Z, center=M, rhs_basis=basis)
-                criterion = "loo"
+                # The class decision needs one code per class: not for a convolution coded per position.
+                criterion = self.eps_criterion if self._position_shape(position) is None else "loo"
+                labels = np.repeat(self.data.y_train, layer.rows_per_sample(input_shape))
             else:
                 G, C, forward_s, stats_s = self._statistics(position, int(batch_size), None)
                 zz, rows = self._target_moments(position)
                 solve_start = time.perf_counter()
                 path = fastls.RidgePath.from_statistics(G, C, zz, rows, center=M, rhs_basis=basis, overwrite_g=True)
                 del G, C
-                criterion = "gcv"
-            eps, _, _ = path.select(criterion)
+                criterion, labels = "gcv", None
+            eps, _, _ = path.select(criterion, labels=labels)
             W = path.solve(eps)
             solve_s = time.perf_counter() - solve_start
         return W, {"compute_s": time.perf_counter() - start, "method": criterion, "eps": eps,

@@ -27,7 +27,7 @@ import fastls
 
 from ._validation import Boolean, InstanceOf, Interval, ListOf, Options, check_params
 from .algorithms import ALGORITHMS
-from .client import CONV_TARGETS, Client
+from .client import CONV_TARGETS, EPS_CRITERIA, Client
 from .data import KNOWN_DATASETS, ClientData, load_federated
 from .models import KNOWN_MODELS, build_model
 from .timing import Clock, time_summary
@@ -48,6 +48,7 @@ CONFIG_CONSTRAINTS = {
     "beta": _POSITIVE,
     "gamma": _POSITIVE + [Options("auto")],
     "eps": _POSITIVE + [Options("auto")],
+    "eps_criterion": [Options(*EPS_CRITERIA)],
     "groups": _POSITIVE_INT,
     "seed": [Interval(int, 0, None)],
     "batch_size": _POSITIVE_INT,
@@ -87,6 +88,7 @@ class RunConfig:
     beta: float = 0.1            # Dirichlet concentration of the label skew
     gamma: float | str = 100.0   # ridge regularization, eqs. (5), (11); "auto": GCV per layer on the server
     eps: float | str = 2500.0    # proximal weight, eq. (13); "auto": leave-one-out / GCV per client and layer
+    eps_criterion: str = "loo"   # what eps="auto" minimizes: squared error ("loo") or class errors ("loo_class")
     groups: int = 10             # K of K-means
     seed: int = 0
     batch_size: int = 64         # B_1, the first round's batch size
@@ -181,7 +183,7 @@ def make_clients(config: RunConfig, dataset, model_config, client_ids=None):
     cores = client_cores(len(dataset.clients), config.seed, config.cores)
     if algorithm.centralized:
         return [Client(0, _pooled(dataset), model_config, config.seed, dataset.n_classes, max(cores), np.float64,
-                       conv_targets=config.conv_targets)]
+                       conv_targets=config.conv_targets, eps_criterion=config.eps_criterion)]
     ids = range(len(dataset.clients)) if client_ids is None else client_ids
     clients = []
     for cid in ids:

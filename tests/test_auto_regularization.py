@@ -119,3 +119,20 @@ def test_auto_choices_are_recorded_printed_and_plotted(tmp_path, capsys):
     assert "gamma chosen by GCV" in printed and "eps chosen by" in printed and "over 12 clients" in printed
     assert main(["plot", str(out / "results.json")]) == 0
     assert (out / "gcv.png").stat().st_size > 0
+
+
+def test_eps_by_the_class_decision(rng):
+    """eps_criterion="loo_class": the eps with the fewest held-out misclassified rows, from the same factorization."""
+    x, y = make_data(rng, n=60, d=20)
+    config = build_model("lr", (20,), N_CLASSES).config()
+    client = Client(0, client_data(x, y, np.arange(60)), config, seed=0, n_classes=N_CLASSES,
+                    eps_criterion="loo_class")
+    M = rng.standard_normal((21, N_CLASSES))
+    client.set_weights(0, M)
+    result = client.personalize(0, eps="auto", batch_size=13)
+    assert result["method"] == "loo_class"
+    A = np.hstack([x, np.ones((60, 1))])
+    expected, _, _ = fastls.RidgePath.from_rows(A, np.eye(N_CLASSES)[y], center=M).select("loo_class", labels=y)
+    assert result["eps"] == pytest.approx(expected)
+    with pytest.raises(ValueError, match="eps_criterion must be one of"):
+        Client(0, client_data(x, y, np.arange(60)), config, seed=0, n_classes=N_CLASSES, eps_criterion="aic")

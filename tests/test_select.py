@@ -155,3 +155,32 @@ def test_bad_input_is_refused_with_what_was_expected():
         path.gcv([1.0, -2.0])
     with pytest.raises(ValueError, match="criterion must be one of"):
         path.select("aic")
+
+
+@pytest.mark.parametrize("with_basis", [False, True])
+def test_loo_class_errors_equal_explicit_refits(with_basis):
+    """The held-out class decision of every row, from one factorization, equals n explicit refits."""
+    rng = np.random.default_rng(8)
+    n, d, k, m = 30, 12, 3, 7
+    X = rng.standard_normal((n, d))
+    labels = rng.integers(0, k, n)
+    Y = np.eye(k)[labels]
+    Q = rng.standard_normal((k, m))
+    M = rng.standard_normal((d, k)) @ Q if with_basis else rng.standard_normal((d, k))
+    Z = Y @ Q if with_basis else Y
+    path = (fastls.RidgePath.from_rows(X, Y, center=M, rhs_basis=Q) if with_basis
+            else fastls.RidgePath.from_rows(X, Y, center=M))
+    codes = Q if with_basis else np.eye(k)
+    for shift in SHIFTS:
+        wrong = 0
+        for i in range(n):
+            keep = np.arange(n) != i
+            predicted = X[i] @ refit(X[keep], Z[keep], shift, M)
+            wrong += int(np.argmin(((codes - predicted) ** 2).sum(axis=1)) != labels[i])
+        assert path.loo_errors([shift], labels)[0] == pytest.approx(wrong / n)
+    chosen, grid, scores = path.select("loo_class", labels=labels)
+    assert chosen in grid and scores.min() == path.criterion("loo_class", [chosen], labels)[0]
+    with pytest.raises(ValueError, match="needs the labels"):
+        path.select("loo_class")
+    with pytest.raises(ValueError, match="labels must be 30 integer classes"):
+        path.loo_errors([1.0], labels[:-1])
