@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from dev_layout import use_shared_data
-from fedlayer.run import RunConfig, load_dataset, run
+from fedlayer.run import RunConfig, run
+from table2 import seeded_datasets
 
 SETTINGS = ["mnist-dnn", "synthetic-dnn", "mnist-lr", "synthetic-lr"]
 ALGORITHMS = ["fedacnnl", "pfedacnnl-wc", "pfedacnnl-wp", "pfedacnnl"]
@@ -44,29 +45,22 @@ def summarize(results):
 
 
 def run_all(args, store, save):
-    for dataset_name in dict.fromkeys(s.split("-")[0] for s in args.settings):
-        settings = [s for s in args.settings if s.startswith(dataset_name + "-")]
-        for seed in range(args.seeds):
-            todo = [(s, a, mode) for s in settings for a in args.algorithms for mode in ("fixed", "auto")
-                    if str(seed) not in store.get(f"{s}-{a}", {}).get(mode, {})]
-            if not todo:
-                continue
-            try:
-                dataset = load_dataset(RunConfig(dataset=dataset_name, seed=seed))
-            except FileNotFoundError as err:
-                print(f"{dataset_name}: skipped ({str(err).splitlines()[0]})", flush=True)
-                break
-            for setting, algorithm, mode in todo:
-                model = setting.split("-")[1]
-                auto = {"gamma": "auto", "eps": "auto"} if mode == "auto" else {}
-                config = RunConfig(algorithm=algorithm, dataset=dataset_name, model=model, seed=seed, **auto)
-                start = time.perf_counter()
-                record = summarize(run(config, dataset=dataset))
-                record["wall_s"] = time.perf_counter() - start
-                store.setdefault(f"{setting}-{algorithm}", {}).setdefault(mode, {})[str(seed)] = record
-                print(f"{setting} {algorithm} {mode} seed {seed}: {record['accuracy']:.2f} %", flush=True)
-                save()
-            del dataset
+    def todo_for(settings, seed):
+        return [(s, a, mode) for s in settings for a in args.algorithms for mode in ("fixed", "auto")
+                if str(seed) not in store.get(f"{s}-{a}", {}).get(mode, {})]
+
+    for seed, dataset, todo in seeded_datasets(args.settings, args.seeds, todo_for):
+        for setting, algorithm, mode in todo:
+            dataset_name, model = setting.split("-")
+            auto = {"gamma": "auto", "eps": "auto"} if mode == "auto" else {}
+            config = RunConfig(algorithm=algorithm, dataset=dataset_name, model=model, seed=seed, **auto)
+            start = time.perf_counter()
+            record = summarize(run(config, dataset=dataset))
+            record["wall_s"] = time.perf_counter() - start
+            store.setdefault(f"{setting}-{algorithm}", {}).setdefault(mode, {})[str(seed)] = record
+            print(f"{setting} {algorithm} {mode} seed {seed}: {record['accuracy']:.2f} %", flush=True)
+            save()
+        del dataset
 
 
 def render(store, command):

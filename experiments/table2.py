@@ -81,14 +81,16 @@ def load_runs(paths):
     return runs, cells
 
 
-def run_cells(args, budget, cells, on_cell=None):
-    """Run the selected cells (seeds) that ``cells`` lacks, adding them; ``on_cell()`` follows each one."""
-    for dataset_name in dict.fromkeys(s.split("-")[0] for s in args.settings):
-        settings = [s for s in args.settings if s.startswith(dataset_name + "-")]
-        for seed in range(args.seeds):
-            todo = [(s, a) for s in settings for a in args.algorithms
-                    if cell_key(s, a) not in cells or seed >= len(cells[cell_key(s, a)]["accuracy"])]
-            todo = [(s, a) for s, a in todo if a not in BASELINES or seed < args.baseline_seeds]
+def seeded_datasets(settings, seeds, todo_for):
+    """(seed, dataset, todo) per dataset of ``settings`` and seed with work left, loading each split once.
+
+    ``todo_for(settings of the dataset, seed)`` lists what is left; a dataset
+    whose files are absent is skipped with a message naming it.
+    """
+    for dataset_name in dict.fromkeys(s.split("-")[0] for s in settings):
+        own = [s for s in settings if s.startswith(dataset_name + "-")]
+        for seed in range(seeds):
+            todo = todo_for(own, seed)
             if not todo:
                 continue
             try:
@@ -96,28 +98,40 @@ def run_cells(args, budget, cells, on_cell=None):
             except FileNotFoundError as err:
                 print(f"{dataset_name}: skipped ({str(err).splitlines()[0]})", flush=True)
                 break
-            for setting, algorithm in todo:
-                model = setting.split("-")[1]
-                rounds = budget[(setting, algorithm)] if algorithm in BASELINES else None
-                config = RunConfig(algorithm=algorithm, dataset=dataset_name, model=model, seed=seed,
-                                   rounds=rounds, eval_every=max(1, (rounds or 1) // 50), cores=args.cores)
-                cell = cells.setdefault(cell_key(setting, algorithm), {"accuracy": [], "curves": [], "minutes": []})
-                if cell.get("rounds", rounds) != rounds:  # checked before spending the run
-                    raise SystemExit(f"{cell_key(setting, algorithm)}: merged seeds ran {cell['rounds']} rounds, "
-                                     f"this run's budget is {rounds}")
-                start = time.perf_counter()
-                results = run(config, dataset=dataset)
-                cell["accuracy"].append(100 * results.get("best_accuracy", results["accuracy"]))
-                cell["minutes"].append((time.perf_counter() - start) / 60)
-                if algorithm in BASELINES:
-                    cell["rounds"] = rounds
-                    cell["curves"].append([[int(r), 100 * rec["accuracy"]] for r, rec in results["rounds"].items()
-                                           if rec["accuracy"] is not None])
-                print(f"{setting} {algorithm} seed {seed}: {cell['accuracy'][-1]:.2f} "
-                      f"({cell['minutes'][-1]:.1f} min)", flush=True)
-                if on_cell:
-                    on_cell()
-            del dataset
+            yield seed, dataset, todo
+
+
+def run_cells(args, budget, cells, on_cell=None):
+    """Run the selected cells (seeds) that ``cells`` lacks, adding them; ``on_cell()`` follows each one."""
+
+    def todo_for(settings, seed):
+        todo = [(s, a) for s in settings for a in args.algorithms
+                if cell_key(s, a) not in cells or seed >= len(cells[cell_key(s, a)]["accuracy"])]
+        return [(s, a) for s, a in todo if a not in BASELINES or seed < args.baseline_seeds]
+
+    for seed, dataset, todo in seeded_datasets(args.settings, args.seeds, todo_for):
+        for setting, algorithm in todo:
+            model = setting.split("-")[1]
+            rounds = budget[(setting, algorithm)] if algorithm in BASELINES else None
+            config = RunConfig(algorithm=algorithm, dataset=setting.split("-")[0], model=model, seed=seed,
+                               rounds=rounds, eval_every=max(1, (rounds or 1) // 50), cores=args.cores)
+            cell = cells.setdefault(cell_key(setting, algorithm), {"accuracy": [], "curves": [], "minutes": []})
+            if cell.get("rounds", rounds) != rounds:  # checked before spending the run
+                raise SystemExit(f"{cell_key(setting, algorithm)}: merged seeds ran {cell['rounds']} rounds, "
+                                 f"this run's budget is {rounds}")
+            start = time.perf_counter()
+            results = run(config, dataset=dataset)
+            cell["accuracy"].append(100 * results.get("best_accuracy", results["accuracy"]))
+            cell["minutes"].append((time.perf_counter() - start) / 60)
+            if algorithm in BASELINES:
+                cell["rounds"] = rounds
+                cell["curves"].append([[int(r), 100 * rec["accuracy"]] for r, rec in results["rounds"].items()
+                                       if rec["accuracy"] is not None])
+            print(f"{setting} {algorithm} seed {seed}: {cell['accuracy'][-1]:.2f} "
+                  f"({cell['minutes'][-1]:.1f} min)", flush=True)
+            if on_cell:
+                on_cell()
+        del dataset
 
 
 def curve_trend(curves):
