@@ -415,8 +415,9 @@ class Client:
     def _target_moments(self, position):
         """(tr(Z_l^T Z_l), rows of X_l) over the local training set: what GCV needs besides G and C.
 
-        A sample's target repeats on each of its rows (every patch of an image),
-        so tr(Z^T Z) = rows per sample x sum over samples of ||z||^2.
+        tr(Z^T Z) = sum over classes of (samples of the class) x (squared norm of
+        the targets of one such sample over all its rows: every patch of an
+        image, each with its own code when coded per position).
         """
         layer_index = self.model.trainable[position]
         rows_per_sample = self.model.layers[layer_index].rows_per_sample(self.model.input_shape_of(layer_index))
