@@ -121,7 +121,7 @@ class AnalyticAlgorithm(Algorithm):
         layers_done = resume_state["layers_done"] if resume_state else 0
         announce_rounds(progress, n_layers - layers_done + (n_layers if self.variant.personalize else 0))
         outcome = run_protocol(
-            transport, n_layers, self.variant, gamma=config.gamma, eps=config.eps,
+            transport, n_layers, self.variant, gamma=config.gamma, eps=config.eps, gamma_scope=config.gamma_scope,
             groups=config.groups, seed=config.seed, batch_size=config.batch_size,
             max_batch_size=config.max_batch_size, clock=clock, progress=progress, checkpoint=checkpoint,
             resume=resume_state, fingerprint=config.fingerprint(), target_bases=target_bases(model, config.seed, config.conv_targets),

@@ -146,9 +146,9 @@ def _regularization_lines(rounds):
     for record in rounds.values():
         layer = "" if record["layer"] is None else record["layer"] + 1
         if "selection" in record:
-            chosen = {int(k): v["gamma"] for k, v in record["selection"].items()}
+            chosen = {k: v["gamma"] for k, v in record["selection"].items()}
             text = (f"{next(iter(chosen.values())):.4g}" if len(chosen) == 1
-                    else ", ".join(f"group {k}: {g:.4g}" for k, g in sorted(chosen.items())))
+                    else ", ".join(f"group {k}: {g:.4g}" for k, g in sorted(chosen.items(), key=lambda kv: int(kv[0]))))
             lines.append(f"layer {layer}: gamma chosen by GCV {text}")
         eps = [c["eps"] for c in record["clients"].values() if "eps" in c]
         if eps:

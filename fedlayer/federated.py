@@ -101,7 +101,7 @@ def _timed_accuracy(log, transport):
 
 def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500.0, groups=10, seed=0,
                  batch_size=64, max_batch_size=1024, clock=Clock(), stat_dtype=np.float64, progress=None,
-                 checkpoint=None, resume=None, fingerprint=None, target_bases=None):
+                 checkpoint=None, resume=None, fingerprint=None, target_bases=None, gamma_scope="all"):
     """Run one algorithm over ``transport``'s clients; returns the results record.
 
     Parameters
@@ -117,6 +117,10 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         numbers besides G and C) and solves with the chosen gamma from the
         same eigendecomposition. ``eps="auto"``: each client chooses its own
         per layer (:meth:`fedlayer.client.Client.personalize`).
+    gamma_scope : {"all", "group"}, default="all"
+        With ``gamma="auto"`` and several groups: one gamma per layer from
+        the sums over all groups (the server then holds every group's sums
+        until the layer is solved), or one per group from its own sums.
     groups : int
         K of K-means when ``variant.cluster``.
     seed : int
@@ -188,6 +192,7 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         log = RoundLog("federated", position, clock)
         log.batch = dict(batch)
         weights = {}
+        pending, pooled = {}, None  # gamma_scope "all": each group's sums, and their total
         # One group at a time: the server holds one group's sums and one
         # client's statistics (at full DCNN width a layer's G is 2.7 GB, so
         # ten groups' sums at once would not fit in memory).
@@ -215,14 +220,21 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
                 continue
             start = time.perf_counter()
             basis = target_bases[position] if target_bases else None
-            if auto_gamma:
+            if auto_gamma and (gamma_scope == "group" or n_groups == 1):
                 path = fastls.RidgePath.from_statistics(G_sum, C_sum, zz_sum, rows_sum, rhs_basis=basis,
                                                         overwrite_g=True)
                 chosen, grid, scores = path.select("gcv")
                 weights[k] = np.ascontiguousarray(path.solve(chosen).astype(stat_dtype, copy=False))
-                log.selection[k] = {"gamma": chosen, "criterion": "gcv", "grid": grid.tolist(),
-                                    "scores": scores.tolist()}
+                log.selection[str(k) if n_groups > 1 else "all"] = {
+                    "gamma": chosen, "criterion": "gcv", "grid": grid.tolist(), "scores": scores.tolist()}
                 del path
+            elif auto_gamma:
+                # One gamma for every group, chosen on the sums over all of them (solved below).
+                pending[k] = (G_sum, C_sum)
+                pooled = [a + b for a, b in zip(pooled, (G_sum, C_sum, zz_sum, rows_sum))] if pooled \
+                    else [G_sum.copy(), C_sum.copy(), zz_sum, rows_sum]
+                log.server_s += time.perf_counter() - start
+                continue
             else:
                 weights[k] = np.ascontiguousarray(fastls.ridge_solve(G_sum, C_sum, gamma, overwrite_g=True,
                                                                      overwrite_c=True, rhs_basis=basis))
@@ -230,6 +242,20 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
             # Read-only: clients in this process share it instead of copying it.
             weights[k].flags.writeable = False
             group_weights[k].append(weights[k])
+            log.server_s += time.perf_counter() - start
+        if pending:
+            start = time.perf_counter()
+            path = fastls.RidgePath.from_statistics(*pooled, rhs_basis=basis, overwrite_g=True)
+            chosen, grid, scores = path.select("gcv")
+            log.selection["all"] = {"gamma": chosen, "criterion": "gcv", "grid": grid.tolist(),
+                                    "scores": scores.tolist()}
+            del path, pooled
+            for k, (G_k, C_k) in sorted(pending.items()):
+                weights[k] = np.ascontiguousarray(fastls.ridge_solve(G_k, C_k, chosen, overwrite_g=True,
+                                                                     overwrite_c=True, rhs_basis=basis))
+                weights[k].flags.writeable = False
+                group_weights[k].append(weights[k])
+            pending.clear()
             log.server_s += time.perf_counter() - start
         # Durations of this round drive the next round's batch sizes (eq. 7).
         durations = {cid: log.compute[cid] + log.up[cid] for cid in cids}

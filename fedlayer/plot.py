@@ -83,7 +83,8 @@ def _plot_gcv(results, path, title, plt):
         return None
     fig, axes = plt.subplots(1, len(selections), figsize=(3.2 * len(selections), 3.4), squeeze=False)
     for ax, (layer, groups) in zip(axes[0], selections):
-        for k, choice in sorted(groups.items(), key=lambda item: int(item[0])):
+        # Keys: "all" (one gamma for every group) or the group numbers.
+        for k, choice in sorted(groups.items(), key=lambda item: (len(item[0]), item[0])):
             grid = [g for g, s in zip(choice["grid"], choice["scores"]) if s is not None and s < float("inf")]
             scores = [s for s in choice["scores"] if s is not None and s < float("inf")]
             low = min(scores)

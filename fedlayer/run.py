@@ -49,6 +49,7 @@ CONFIG_CONSTRAINTS = {
     "gamma": _POSITIVE + [Options("auto")],
     "eps": _POSITIVE + [Options("auto")],
     "eps_criterion": [Options(*EPS_CRITERIA)],
+    "gamma_scope": [Options("all", "group")],
     "groups": _POSITIVE_INT,
     "seed": [Interval(int, 0, None)],
     "batch_size": _POSITIVE_INT,
@@ -89,6 +90,7 @@ class RunConfig:
     gamma: float | str = 100.0   # ridge regularization, eqs. (5), (11); "auto": GCV per layer on the server
     eps: float | str = 2500.0    # proximal weight, eq. (13); "auto": leave-one-out / GCV per client and layer
     eps_criterion: str = "loo"   # what eps="auto" minimizes: squared error ("loo") or class errors ("loo_class")
+    gamma_scope: str = "all"     # gamma="auto" with groups: one gamma from all groups' sums, or one per "group"
     groups: int = 10             # K of K-means
     seed: int = 0
     batch_size: int = 64         # B_1, the first round's batch size
@@ -154,6 +156,7 @@ class RunConfig:
     def fingerprint(self):
         """The settings that determine the trained weights (checked on resume)."""
         return {"algorithm": self.algorithm, "model": self.model, "gamma": self.gamma, "groups": self.groups,
+                "gamma_scope": self.gamma_scope,
                 "width": self.width, "conv_targets": self.conv_targets, **self.split()}
 
 

@@ -61,7 +61,7 @@ class RoundLog:
         self.compute, self.up, self.down, self.batch, self.measured, self.parts = {}, {}, {}, {}, {}, {}
         self.server_s = 0.0
         self.eval_s = None
-        self.selection = {}  # group -> the server's choice of gamma (criterion, grid, scores)
+        self.selection = {}  # "all" or a group -> the server's choice of gamma (criterion, grid, scores)
         self.chosen = {}     # cid -> a client's own choice (eps and its criterion)
         self.up_bytes = self.down_bytes = 0
 

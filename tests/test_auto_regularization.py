@@ -50,7 +50,7 @@ def test_gamma_auto_solves_each_layer_with_its_gcv_minimum(rng):
     Y = np.eye(N_CLASSES)[y]
     h = x
     for position, (W, record) in enumerate(zip(outcome["group_weights"][0], outcome["rounds"])):
-        choice = record["selection"]["0"]
+        choice = record["selection"]["all"]
         A = np.hstack([h, np.ones((len(h), 1))])
         Z = Y @ encoders[position] if position < len(encoders) else Y
         gamma = choice["gamma"]
@@ -136,3 +136,28 @@ def test_eps_by_the_class_decision(rng):
     assert result["eps"] == pytest.approx(expected)
     with pytest.raises(ValueError, match="eps_criterion must be one of"):
         Client(0, client_data(x, y, np.arange(60)), config, seed=0, n_classes=N_CLASSES, eps_criterion="aic")
+
+
+@pytest.mark.parametrize("gamma_scope", ["all", "group"])
+def test_gamma_auto_with_groups(rng, gamma_scope):
+    """'all': one gamma from every group's sums (FedACnnL's), each group solved with it; 'group': its own GCV."""
+    x, y = make_data(rng, n=200, d=6)
+    config = build_model("lr", (6,), N_CLASSES).config()
+    # Clients holding one class each, so that K-means has clear groups.
+    parts = [np.flatnonzero(y == c) for c in range(N_CLASSES)]
+    grouped, _ = run_clients([client_data(x, y, p) for p in parts], Variant(cluster=True), config, gamma="auto",
+                             groups=2, gamma_scope=gamma_scope)
+    single, _ = run_clients([client_data(x, y, p) for p in parts], Variant(), config, gamma="auto")
+    selection = grouped["rounds"][-1]["selection"]
+    group_of = {int(cid): k for cid, k in grouped["groups"].items()}
+    if gamma_scope == "all":
+        assert list(selection) == ["all"]
+        assert selection["all"]["gamma"] == pytest.approx(single["rounds"][-1]["selection"]["all"]["gamma"], rel=1e-6)
+    else:
+        assert sorted(selection) == ["0", "1"]
+    for k, weights in grouped["group_weights"].items():
+        rows = np.concatenate([parts[cid] for cid, g in group_of.items() if g == k])
+        A = np.hstack([x[rows], np.ones((len(rows), 1))])
+        gamma = selection["all" if gamma_scope == "all" else str(k)]["gamma"]
+        expected = np.linalg.solve(A.T @ A + gamma * np.eye(7), A.T @ np.eye(N_CLASSES)[y[rows]])
+        assert_close(weights[0], expected, np.float64, rtol=1e-8)
