@@ -97,6 +97,12 @@ def _check_finite(name, A):
         raise ValueError(f"{name} contains NaN or Inf; expected finite values")
 
 
+def _check_finite_upper(G):
+    """The upper triangle of a Gram matrix (the part the solves read) is finite."""
+    if G.shape[0] and not _kernels.upper_finite(G):
+        raise ValueError("G contains NaN or Inf in its upper triangle; expected finite values")
+
+
 def _check_pair_dtypes(out_name, out, in_name, inp):
     """Same dtype, or float32 input into a float64 output; returns mixed flag."""
     if out.dtype == inp.dtype:
@@ -811,8 +817,7 @@ def _check_solve(G, C, shift, shift_name, meaning, on_failure, overwrite_g, chec
     if on_failure == "eigh" and overwrite_g:
         raise ValueError("on_failure='eigh' needs the original G: it cannot be combined with overwrite_g=True")
     if check_finite:
-        if G.shape[0] and not _kernels.upper_finite(G):
-            raise ValueError("G contains NaN or Inf in its upper triangle; expected finite values")
+        _check_finite_upper(G)
         _check_finite("C", C)
     return G, shift
 

@@ -12,7 +12,7 @@ import numpy as np
 import scipy.linalg
 import scipy.optimize
 
-from ._core import _basis_coordinates, _check_array, _check_finite, _check_system, _kernels, symmetrize
+from ._core import _basis_coordinates, _check_array, _check_finite, _check_finite_upper, _check_system, symmetrize
 
 __all__ = ["RidgePath", "DEFAULT_GRID"]
 
@@ -379,11 +379,6 @@ def _check_center(center, shape):
         raise ValueError(f"center must have shape {tuple(shape)} like the solution, got {center.shape}")
     _check_finite("center", center)
     return np.asarray(center, dtype=np.float64)
-
-
-def _check_finite_upper(G):
-    if G.shape[0] and not _kernels.upper_finite(G):
-        raise ValueError("G contains NaN or Inf in its upper triangle; expected finite values")
 
 
 def _in_basis(C, M, rhs_basis):

@@ -99,6 +99,13 @@ def _timed_accuracy(log, transport):
     return accuracy
 
 
+def _gcv_choice(G, C, zz, rows, basis):
+    """(gamma, its RidgePath, the round's record of the choice) by GCV on summed statistics; G is destroyed."""
+    path = fastls.RidgePath.from_statistics(G, C, zz, rows, rhs_basis=basis, overwrite_g=True)
+    gamma, grid, scores = path.select("gcv")
+    return gamma, path, {"gamma": gamma, "criterion": "gcv", "grid": grid.tolist(), "scores": scores.tolist()}
+
+
 def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500.0, groups=10, seed=0,
                  batch_size=64, max_batch_size=1024, clock=Clock(), stat_dtype=np.float64, progress=None,
                  checkpoint=None, resume=None, fingerprint=None, target_bases=None, gamma_scope="all"):
@@ -174,6 +181,7 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
     else:
         group_of = {cid: 0 for cid in cids}
     n_groups = max(group_of.values()) + 1
+    pooled_gamma = auto_gamma and gamma_scope == "all" and n_groups > 1
 
     # -- federated optimization stage ---------------------------------------
     batch = dict(first_batch)
@@ -192,7 +200,15 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         log = RoundLog("federated", position, clock)
         log.batch = dict(batch)
         weights = {}
-        pending, pooled = {}, None  # gamma_scope "all": each group's sums, and their total
+        basis = target_bases[position] if target_bases else None
+        pending, pooled = {}, None  # pooled gamma: each group's sums, and their total
+
+        def install(k, W):
+            # Read-only: clients in this process share it instead of copying it.
+            weights[k] = np.ascontiguousarray(W, dtype=stat_dtype)
+            weights[k].flags.writeable = False
+            group_weights[k].append(weights[k])
+
         # One group at a time: the server holds one group's sums and one
         # client's statistics (at full DCNN width a layer's G is 2.7 GB, so
         # ten groups' sums at once would not fit in memory).
@@ -219,42 +235,31 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
             if G_sum is None:
                 continue
             start = time.perf_counter()
-            basis = target_bases[position] if target_bases else None
-            if auto_gamma and (gamma_scope == "group" or n_groups == 1):
-                path = fastls.RidgePath.from_statistics(G_sum, C_sum, zz_sum, rows_sum, rhs_basis=basis,
-                                                        overwrite_g=True)
-                chosen, grid, scores = path.select("gcv")
-                weights[k] = np.ascontiguousarray(path.solve(chosen).astype(stat_dtype, copy=False))
-                log.selection[str(k) if n_groups > 1 else "all"] = {
-                    "gamma": chosen, "criterion": "gcv", "grid": grid.tolist(), "scores": scores.tolist()}
-                del path
-            elif auto_gamma:
-                # One gamma for every group, chosen on the sums over all of them (solved below).
+            if pooled_gamma:
+                # Solved below, with the gamma chosen on the sums over all groups.
                 pending[k] = (G_sum, C_sum)
-                pooled = [a + b for a, b in zip(pooled, (G_sum, C_sum, zz_sum, rows_sum))] if pooled \
-                    else [G_sum.copy(), C_sum.copy(), zz_sum, rows_sum]
-                log.server_s += time.perf_counter() - start
-                continue
+                if pooled is None:
+                    pooled = [np.zeros_like(G_sum), np.zeros_like(C_sum), 0.0, 0]
+                pooled[0] += G_sum
+                pooled[1] += C_sum
+                pooled[2] += zz_sum
+                pooled[3] += rows_sum
+            elif auto_gamma:
+                chosen, path, log.selection[str(k) if n_groups > 1 else "all"] = _gcv_choice(
+                    G_sum, C_sum, zz_sum, rows_sum, basis)
+                install(k, path.solve(chosen))
+                del path
             else:
-                weights[k] = np.ascontiguousarray(fastls.ridge_solve(G_sum, C_sum, gamma, overwrite_g=True,
-                                                                     overwrite_c=True, rhs_basis=basis))
+                install(k, fastls.ridge_solve(G_sum, C_sum, gamma, overwrite_g=True, overwrite_c=True,
+                                              rhs_basis=basis))
             del G_sum, C_sum
-            # Read-only: clients in this process share it instead of copying it.
-            weights[k].flags.writeable = False
-            group_weights[k].append(weights[k])
             log.server_s += time.perf_counter() - start
         if pending:
             start = time.perf_counter()
-            path = fastls.RidgePath.from_statistics(*pooled, rhs_basis=basis, overwrite_g=True)
-            chosen, grid, scores = path.select("gcv")
-            log.selection["all"] = {"gamma": chosen, "criterion": "gcv", "grid": grid.tolist(),
-                                    "scores": scores.tolist()}
-            del path, pooled
+            chosen, _, log.selection["all"] = _gcv_choice(*pooled, basis)
+            del pooled
             for k, (G_k, C_k) in sorted(pending.items()):
-                weights[k] = np.ascontiguousarray(fastls.ridge_solve(G_k, C_k, chosen, overwrite_g=True,
-                                                                     overwrite_c=True, rhs_basis=basis))
-                weights[k].flags.writeable = False
-                group_weights[k].append(weights[k])
+                install(k, fastls.ridge_solve(G_k, C_k, chosen, overwrite_g=True, overwrite_c=True, rhs_basis=basis))
             pending.clear()
             log.server_s += time.perf_counter() - start
         # Durations of this round drive the next round's batch sizes (eq. 7).
