@@ -191,12 +191,7 @@ class RidgePath:
         Exact: e_i = (r_i - x_i W(a)) / (1 - h_ii(a)) with the hat matrix
         H(a) = U diag(s^2 / (s^2 + a)) U^T.
         """
-        a = _shifts(shifts)
-        out = np.empty(len(a))
-        for batch, held_out in self._held_out(a):
-            weighted = held_out if self._metric is None else held_out @ self._metric
-            out[batch] = (weighted * held_out).sum(axis=(1, 2)) / self.n
-        return out
+        return self._loo_scores(_shifts(shifts))[0]
 
     def loo_errors(self, shifts, labels):
         """Share of rows whose leave-one-out prediction is nearer another class's code than its own (from_rows only).
@@ -211,24 +206,32 @@ class RidgePath:
         labels : array-like of int, shape (n,)
             The class of each row, in [0, k).
         """
-        a = _shifts(shifts)
-        labels = np.asarray(labels)
-        if labels.shape != (self.n,) or labels.dtype.kind not in "iu":
-            raise ValueError(f"labels must be {self.n} integer classes, one per row, got shape {labels.shape} "
-                             f"and dtype {labels.dtype}")
-        out = np.empty(len(a))
+        return self._loo_scores(_shifts(shifts), labels)[1]
+
+    def _loo_scores(self, a, labels=None):
+        """(mean squared leave-one-out error, error rate of the class decision or None) per shift, in one pass."""
+        if self._U is None:
+            raise ValueError("leave-one-out needs the rows: build the path with RidgePath.from_rows")
+        if labels is not None:
+            labels = np.asarray(labels)
+            if labels.shape != (self.n,) or labels.dtype.kind not in "iu":
+                raise ValueError(f"labels must be {self.n} integer classes, one per row, got shape {labels.shape} "
+                                 f"and dtype {labels.dtype}")
+        squared = np.empty(len(a))
+        errors = None if labels is None else np.empty(len(a))
         S = np.eye(self._Z.shape[1]) if self._metric is None else self._metric
         for batch, held_out in self._held_out(a):
-            predicted = self._Z - held_out                                   # (s, n, k)
-            # Nearest code c: argmax_c 2 (p S)_c - S_cc.
-            nearest = np.argmax(2.0 * (predicted @ S) - np.diag(S), axis=2)
-            out[batch] = (nearest != labels).mean(axis=1)
-        return out
+            weighted = held_out if self._metric is None else held_out @ self._metric
+            squared[batch] = (weighted * held_out).sum(axis=(1, 2)) / self.n
+            if labels is not None:
+                predicted = self._Z - held_out                               # (s, n, k)
+                # Nearest code c: argmax_c 2 (p S)_c - S_cc.
+                nearest = np.argmax(2.0 * (predicted @ S) - np.diag(S), axis=2)
+                errors[batch] = (nearest != labels).mean(axis=1)
+        return squared, errors
 
     def _held_out(self, a):
         """(slice, leave-one-out residuals (s, n, k)) for batches of the shifts a."""
-        if self._U is None:
-            raise ValueError("leave-one-out needs the rows: build the path with RidgePath.from_rows")
         lam = self.eigenvalues
         n, k = self._R.shape
         if self._U2 is None:
@@ -257,10 +260,10 @@ class RidgePath:
             return getattr(self, name)(shifts)
         if labels is None:
             raise ValueError("criterion 'loo_class' needs the labels of the rows")
-        squared = self.loo(shifts)
+        squared, errors = self._loo_scores(_shifts(shifts), labels)
         # Monotone in the squared error and below 1 / (2 n), half of one misclassified row.
         scale = max(self._rss0 / self.n, np.finfo(np.float64).tiny)
-        return self.loo_errors(shifts, labels) + squared / (squared + scale) / (2.0 * self.n)
+        return errors + squared / (squared + scale) / (2.0 * self.n)
 
     def default_grid(self):
         """:data:`DEFAULT_GRID` times the mean eigenvalue (times 1 when G is 0)."""
@@ -272,7 +275,8 @@ class RidgePath:
 
         Parameters
         ----------
-        criterion : {'gcv', 'loo'}, default='gcv'
+        criterion : {'gcv', 'loo', 'loo_class'}, default='gcv'
+            See :meth:`criterion`.
         shifts : array-like of float > 0, optional
             The grid searched; default :meth:`default_grid`.
         refine : bool, default=True

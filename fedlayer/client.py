@@ -528,16 +528,15 @@ class Client:
                 forward_s = time.perf_counter() - start
                 stats_start = time.perf_counter()
                 A = layer.ls_rows(np.asarray(x))
+                labels = np.repeat(self.data.y_train, layer.rows_per_sample(input_shape))
                 # With a basis the targets are passed as their coordinates Y (Z = Y Q).
-                Z = (one_hot(np.repeat(self.data.y_train, layer.rows_per_sample(input_shape)), self.n_classes,
-                             dtype=np.float64) if basis is not None
+                Z = (one_hot(labels, self.n_classes, dtype=np.float64) if basis is not None
                      else self._row_targets(position, self.data.y_train))
                 stats_s = time.perf_counter() - stats_start
                 solve_start = time.perf_counter()
                 path = fastls.RidgePath.from_rows(A, Z, center=M, rhs_basis=basis)
                 # The class decision needs one code per class: not for a convolution coded per position.
                 criterion = self.eps_criterion if self._position_shape(position) is None else "loo"
-                labels = np.repeat(self.data.y_train, layer.rows_per_sample(input_shape))
             else:
                 G, C, forward_s, stats_s = self._statistics(position, int(batch_size), None)
                 zz, rows = self._target_moments(position)
