@@ -49,6 +49,7 @@ TAG_CMD, TAG_CMD_DATA, TAG_RESULT, TAG_DATA = 11, 12, 13, 14
 CHUNK_BYTES = 2**30
 _LAUNCH_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_RANK")
 _MAX_SLEEP = 0.005
+ABORT_GRACE_S = 1.0   # pause before MPI_Abort so the explaining error reaches stderr
 
 
 def world():
@@ -371,7 +372,7 @@ class MPITransport(Transport):
         self._closed = True
         comm = self.comm
         if self._dead is not None:
-            comm.Abort(1)
+            _abort(comm)
         status = 1 if self._failed else status
         for r in self.workers:
             comm.isend({"op": "stop", "status": status}, dest=r, tag=TAG_CMD).Wait()
@@ -384,7 +385,19 @@ class MPITransport(Transport):
                     waiting.discard(source)
             self._reap_sends(wait=True)
         except RuntimeError:
-            comm.Abort(1)
+            _abort(comm)
+
+
+def _abort(comm):
+    """MPI_Abort, after giving mpiexec's proxies time to forward what this rank already wrote.
+
+    The abort kills every process at once, the proxies included; without the pause the error that
+    explains the abort is sometimes lost from the job's stderr (seen in about 1 run in 6).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(ABORT_GRACE_S)
+    comm.Abort(1)
 
 
 # -- worker side ----------------------------------------------------------------
