@@ -119,3 +119,39 @@ def spd_system(d, dtype, seed=0):
     R = rng.uniform(-1.0, 1.0, size=(d, d))
     G = ((R + R.T) / 2 + d * np.eye(d)).astype(dtype)
     return G, rng.standard_normal((d, 10)).astype(dtype), rng.standard_normal((d, 10)).astype(dtype)
+
+
+# The thread grid (issue: threads chosen by problem size): every kernel kind at
+# d x rows, 1 or 2 BLAS threads or the size rule's choice within a limit of 2.
+THREAD_GRID = {"full": {"d": [16, 33, 65, 129, 257, 513, 785, 1153, 2305, 4609],
+                        "rows": [64, 256, 1024, 4096, 16384, 65536]},
+               "small": {"d": [16, 129], "rows": [64, 1024]}}
+THREAD_KINDS = ["gram", "cross", "matmul", "solve"]
+# Columns of the cross and forward products: a hidden layer's width (its encoded targets / units).
+THREAD_COLUMNS = 128
+
+
+def _zeroed(A):
+    """A set to zero (d^2 or d m work, small next to the update): each timed call returns one fresh product."""
+    A[...] = 0
+    return A
+
+
+def thread_case(kind, d, rows, dtype, seed=0):
+    """(call, flops) of one grid case; ``solve`` ignores rows (a d x d ridge solve of THREAD_COLUMNS columns)."""
+    m = THREAD_COLUMNS
+    if kind == "solve":
+        G = spd_system(d, dtype, seed)[0]
+        C = random_matrix((d, m), dtype, seed + 1)
+        return (lambda: fastls.ridge_solve(G, C, 1.0, check_finite=False)), d ** 3 / 3.0 + 2.0 * d * d * m
+    X = random_matrix((rows, d), dtype, seed)
+    if kind == "gram":
+        G = np.zeros((d, d), dtype=dtype)
+        return (lambda: fastls.gram_update(_zeroed(G), X, check_finite=False)), gram_flops(rows, d)
+    if kind == "cross":
+        Z, C = random_matrix((rows, m), dtype, seed + 1), np.zeros((d, m), dtype=dtype)
+        return (lambda: fastls.cross_update(_zeroed(C), X, Z, check_finite=False)), 2.0 * rows * d * m
+    if kind == "matmul":
+        W, out = random_matrix((d, m), dtype, seed + 1), np.empty((rows, m), dtype=dtype)
+        return (lambda: fastls.matmul(X, W, out=out, check_finite=False)), 2.0 * rows * d * m
+    raise ValueError(f"unknown kind {kind!r}; expected one of {THREAD_KINDS}")

@@ -1,10 +1,10 @@
 """fastls: compiled least-squares kernels for analytic learning.
 
-Gram accumulation (syrk), cross products (gemm), im2col and a streaming
+Gram accumulation (syrk), cross and forward products (gemm), im2col and a streaming
 convolution Gram, Cholesky ridge and proximal solves, ridge paths with GCV and
 leave-one-out selection of the shift, all float32/float64 with
 C- or Fortran-ordered inputs and the GIL released, plus core limits through
-threadpoolctl.
+threadpoolctl and fewer BLAS threads where fewer are faster.
 """
 
 from ._core import (
@@ -17,6 +17,7 @@ from ._core import (
     cross_update,
     gram_update,
     im2col,
+    matmul,
     proximal_cost,
     proximal_solve,
     proximal_solve_dual,
@@ -24,7 +25,16 @@ from ._core import (
     symmetrize,
 )
 from ._select import DEFAULT_GRID, RidgePath
-from ._threads import available_cores, blas_info, limit_cores
+from ._threads import (
+    FLOPS_PER_THREAD,
+    available_cores,
+    blas_info,
+    get_flops_per_thread,
+    limit_cores,
+    set_flops_per_thread,
+    sized_threads,
+    threads_for,
+)
 
 __version__ = "0.1.0"
 
@@ -45,7 +55,13 @@ __all__ = [
     "proximal_cost",
     "RidgePath",
     "DEFAULT_GRID",
+    "matmul",
     "limit_cores",
     "available_cores",
     "blas_info",
+    "threads_for",
+    "sized_threads",
+    "get_flops_per_thread",
+    "set_flops_per_thread",
+    "FLOPS_PER_THREAD",
 ]

@@ -26,6 +26,7 @@ import numpy as np
 import scipy.linalg
 
 from . import _kernels
+from ._threads import sized_threads
 
 __all__ = [
     "gram_update",
@@ -42,6 +43,7 @@ __all__ = [
     "proximal_solve",
     "proximal_solve_dual",
     "proximal_cost",
+    "matmul",
 ]
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -189,10 +191,11 @@ _DIAGONAL_CHECK_BYTES = 8 * 2**20
 
 def _gram_into(G, X, mixed, block_rows):
     g_layout, x_layout = _layout(G), _layout(X)
-    if mixed:
-        _kernels.gram_mixed(G, *g_layout, X, *x_layout, block_rows, DEFAULT_TILE)
-    else:
-        _kernels.gram_same(G, *g_layout, X, *x_layout)
+    with sized_threads(float(X.shape[0]) * X.shape[1] ** 2):
+        if mixed:
+            _kernels.gram_mixed(G, *g_layout, X, *x_layout, block_rows, DEFAULT_TILE)
+        else:
+            _kernels.gram_same(G, *g_layout, X, *x_layout)
 
 
 def cross_update(C, X, Z, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
@@ -231,11 +234,58 @@ def cross_update(C, X, Z, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
         _check_finite("X", X)
         _check_finite("Z", Z)
     layouts = (*_layout(C), X, *_layout(X), Z, *_layout(Z))
-    if mixed:
-        _kernels.cross_mixed(C, *layouts, block_rows, DEFAULT_TILE)
-    else:
-        _kernels.cross_same(C, *layouts)
+    with sized_threads(2.0 * X.shape[0] * X.shape[1] * Z.shape[1]):
+        if mixed:
+            _kernels.cross_mixed(C, *layouts, block_rows, DEFAULT_TILE)
+        else:
+            _kernels.cross_same(C, *layouts)
     return C
+
+
+def matmul(X, W, *, out=None, check_finite=True):
+    """out = X W through BLAS gemm (the forward product of a layer).
+
+    Runs on SciPy's BLAS under the same thread rule as the statistics, so that
+    a forward pass and the statistics after it never wake two thread pools.
+
+    Parameters
+    ----------
+    X : ndarray of shape (N, d), float32 or float64, any layout
+    W : ndarray of shape (d, m), dtype of X, any layout
+    out : ndarray of shape (N, m), dtype of X, C- or F-contiguous, optional
+        Overwritten; a new C-ordered array when None.
+    check_finite : bool, default=True
+        Refuse NaN/Inf in X or W before anything is written.
+
+    Returns
+    -------
+    out : ndarray of shape (N, m)
+    """
+    _check_array("X", X, 2)
+    _check_array("W", W, 2)
+    if W.dtype != X.dtype:
+        raise TypeError(f"X and W must share a dtype, got {X.dtype} and {W.dtype}")
+    if W.shape[0] != X.shape[1]:
+        raise ValueError(f"W must have shape (d, m) with d = {X.shape[1]} (the columns of X {X.shape}), got {W.shape}")
+    n, m = X.shape[0], W.shape[1]
+    if out is None:
+        out = np.empty((n, m), dtype=X.dtype)
+    else:
+        _check_output("out", out, 2)
+        if out.shape != (n, m) or out.dtype != X.dtype:
+            raise ValueError(f"out must have shape {(n, m)} and dtype {X.dtype}, got {out.shape} {out.dtype}")
+    if check_finite:
+        _check_finite("X", _as_input(X))
+        _check_finite("W", _as_input(W))
+    if out.size == 0:
+        return out
+    if X.shape[1] == 0:
+        out[...] = 0
+        return out
+    X, W = _as_input(X), _as_input(W)
+    with sized_threads(2.0 * n * X.shape[1] * m):
+        _kernels.matmul_same(out, *_layout(out), X, *_layout(X), W, *_layout(W))
+    return out
 
 
 def symmetrize(G, *, inplace=False):
@@ -547,15 +597,19 @@ class ConvStats:
             _check_finite("images", images)
             _check_finite("targets", targets)
         self._dtype = images.dtype
-        if self.method == "overlap":
-            self._update_overlap(images, targets, mixed)
-        else:
-            self._update_im2col(images, targets, mixed)
-        if self._factored is not None:
-            _, sums, column_sums = self._factored
-            # S_j += sum_n targets[n, j] images[n], in float64 (one (k x B) x (B x HWC) product).
-            sums += targets.T.astype(np.float64) @ images.reshape(images.shape[0], -1).astype(np.float64)
-            column_sums += targets.sum(axis=0, dtype=np.float64)
+        d = self.G.shape[0]
+        out_h, out_w = self.geometry[-2:]
+        # Counted as im2col + Gram (the overlap method does less of the same kind of work).
+        with sized_threads(float(images.shape[0]) * out_h * out_w * d * d):
+            if self.method == "overlap":
+                self._update_overlap(images, targets, mixed)
+            else:
+                self._update_im2col(images, targets, mixed)
+            if self._factored is not None:
+                _, sums, column_sums = self._factored
+                # S_j += sum_n targets[n, j] images[n], in float64 (one (k x B) x (B x HWC) product).
+                sums += targets.T.astype(np.float64) @ images.reshape(images.shape[0], -1).astype(np.float64)
+                column_sums += targets.sum(axis=0, dtype=np.float64)
         return self
 
     def _update_overlap(self, images, targets, mixed):
@@ -830,7 +884,8 @@ def _spd_solve(G, rhs, shift, shift_name, overwrite_g, on_failure, what):
     in_place = overwrite_g and G.flags.writeable and (G.flags.c_contiguous or G.flags.f_contiguous)
     A = G if in_place else G.copy(order="F" if G.flags.f_contiguous else "C")
     _kernels.add_diagonal(A, shift)
-    info = _kernels.cholesky_solve(A, *_layout(A), rhs)
+    with sized_threads(d ** 3 / 3.0 + 2.0 * d * d * rhs.shape[1]):
+        info = _kernels.cholesky_solve(A, *_layout(A), rhs)
     if info == 0:
         return rhs
     if info < 0:  # pragma: no cover - an argument error is a bug here
@@ -1042,6 +1097,13 @@ def proximal_solve_dual(X, Z, eps, M, *, block_rows=DEFAULT_BLOCK_ROWS, check_fi
         M = np.ascontiguousarray(M)
     K = np.zeros((n, n), dtype=dtype)
     gram_update(K, X.T, block_rows=block_rows, check_finite=False)   # X X^T, upper triangle
+    with sized_threads(4.0 * n * d * M.shape[1]):
+        return _dual_rest(X, Z, M, Q, K, eps, d, dtype)
+
+
+def _dual_rest(X, Z, M, Q, K, eps, d, dtype):
+    """proximal_solve_dual after X X^T: the residual, the n x n solve and the update of M."""
+    n = X.shape[0]
     # X M and X^T S in the dtype of M, over row slices of X cast at most
     # DEFAULT_SCRATCH_BYTES at a time.
     step = max(1, DEFAULT_SCRATCH_BYTES // (max(d, 1) * dtype.itemsize))

@@ -102,6 +102,23 @@ cdef inline void _gemm_tn(floating *lhs, bint l_rowmajor, int ldl,
     _gemm(ta, tb, p, q, k, <floating>1.0, lhs, ldl, rhs, ldr, beta, out, ldo)
 
 
+cdef inline void _gemm_nn(floating *lhs, bint l_rowmajor, int ldl,
+                          floating *rhs, bint r_rowmajor, int ldr,
+                          int n, int d, int m, floating beta,
+                          floating *out, bint out_rowmajor, int ldo) noexcept nogil:
+    """out := beta out + L R with L n x d and R d x m (NumPy indexing)."""
+    cdef char ta, tb
+    if out_rowmajor:
+        # Fortran sees out^T = R^T L^T; a row-major operand is already transposed for Fortran.
+        ta = b'N' if r_rowmajor else b'T'
+        tb = b'N' if l_rowmajor else b'T'
+        _gemm(ta, tb, m, n, d, <floating>1.0, rhs, ldr, lhs, ldl, beta, out, ldo)
+        return
+    ta = b'T' if l_rowmajor else b'N'
+    tb = b'T' if r_rowmajor else b'N'
+    _gemm(ta, tb, n, m, d, <floating>1.0, lhs, ldl, rhs, ldr, beta, out, ldo)
+
+
 cdef inline void _add_tile(double *out, bint out_rowmajor, Py_ssize_t ldo,
                            Py_ssize_t i0, Py_ssize_t j0, float *tile,
                            Py_ssize_t ti, Py_ssize_t tj, bint upper_only) noexcept nogil:
@@ -159,8 +176,126 @@ cdef void _mixed_tn(float *lhs, bint l_rowmajor, int ldl,
 
 
 # ---------------------------------------------------------------------------
-# Gram and cross-product updates
+# BLAS thread counts, set without Python in the way
 # ---------------------------------------------------------------------------
+
+ctypedef int (*_threads_getter)() noexcept nogil
+ctypedef void (*_threads_setter)(int) noexcept nogil
+
+cdef enum:
+    _MAX_LIBRARIES = 8
+
+cdef _threads_getter _getters[_MAX_LIBRARIES]
+cdef _threads_setter _setters[_MAX_LIBRARIES]
+cdef int _n_bound = 0
+
+
+def bind_blas_threads(addresses):
+    """Remember each BLAS library's (get_num_threads, set_num_threads) C functions, given as addresses."""
+    global _n_bound
+    _n_bound = 0
+    for get_address, set_address in list(addresses)[:_MAX_LIBRARIES]:
+        _getters[_n_bound] = <_threads_getter><size_t>get_address
+        _setters[_n_bound] = <_threads_setter><size_t>set_address
+        _n_bound += 1
+    return _n_bound
+
+
+def blas_threads():
+    """Fewest threads any bound library may use (0 when none is bound)."""
+    cdef int i, fewest = 0, current
+    for i in range(_n_bound):
+        current = _getters[i]()
+        if i == 0 or current < fewest:
+            fewest = current
+    return fewest
+
+
+def lower_blas_threads(int n):
+    """Every bound library running more than n threads runs n; the previous counts, or None if none changed."""
+    cdef int i
+    cdef int previous[_MAX_LIBRARIES]
+    cdef bint changed = False
+    for i in range(_n_bound):
+        previous[i] = _getters[i]()
+        if previous[i] > n:
+            _setters[i](n)
+            changed = True
+    if not changed:
+        return None
+    return tuple([previous[i] for i in range(_n_bound)])
+
+
+def restore_blas_threads(tuple previous):
+    """Undo lower_blas_threads."""
+    cdef int i
+    for i in range(min(_n_bound, len(previous))):
+        _setters[i](previous[i])
+
+
+# The size rule's state, kept here so that entering sized_threads costs no Python call.
+cdef double _flops_per_thread = 0.0
+cdef bint _rule_bound = False
+_bind_hook = None   # set by fastls._threads: binds the libraries on first use
+
+
+def set_rule(double flops_per_thread, bind_hook):
+    """Flops of work per BLAS thread (0: no rule), and what binds the libraries on first use."""
+    global _flops_per_thread, _bind_hook, _rule_bound
+    _flops_per_thread = flops_per_thread
+    _bind_hook = bind_hook
+    _rule_bound = False
+
+
+cdef class sized_threads:
+    """Context manager: the enclosed BLAS work of ``flops`` runs max(1, flops // flops_per_thread) threads at most.
+
+    Lowers the thread count of every bound OpenBLAS library only when the rule
+    wants fewer threads than the library runs now (the caller's limit), and
+    restores it on exit, also on error.
+    """
+
+    cdef int _wanted
+    cdef object _previous
+
+    def __cinit__(self, double flops):
+        cdef double wanted
+        self._wanted = 0
+        self._previous = None
+        if _flops_per_thread > 0:
+            wanted = flops / _flops_per_thread
+            self._wanted = 1 if wanted < 1 else (<int>wanted if wanted < 1048576 else 0)
+
+    def __enter__(self):
+        global _rule_bound
+        if self._wanted:
+            if not _rule_bound:
+                _bind_hook()
+                _rule_bound = True
+            self._previous = lower_blas_threads(self._wanted)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if self._previous is not None:
+            restore_blas_threads(self._previous)
+            self._previous = None
+        return False
+
+
+# ---------------------------------------------------------------------------
+# Forward products, Gram and cross-product updates
+# ---------------------------------------------------------------------------
+
+def matmul_same(floating[:, :] out, bint o_rowmajor, int ldo,
+                const floating[:, :] X, bint x_rowmajor, int ldx,
+                const floating[:, :] W, bint w_rowmajor, int ldw):
+    """out := X W, all of one dtype."""
+    cdef int n = X.shape[0], d = X.shape[1], m = W.shape[1]
+    with nogil:
+        _gemm_nn(<floating *>&X[0, 0], x_rowmajor, ldx,
+                 <floating *>&W[0, 0], w_rowmajor, ldw, n, d, m,
+                 <floating>0.0, &out[0, 0], o_rowmajor, ldo)
+
 
 def gram_same(floating[:, :] G, bint g_rowmajor, int ldg,
               const floating[:, :] X, bint x_rowmajor, int ldx):

@@ -1,20 +1,45 @@
-"""Core limits for every kernel, through threadpoolctl.
+"""Core limits for every kernel: the caller's through threadpoolctl, and fewer threads for small work.
 
 The kernels spend their time in SciPy's BLAS/LAPACK (and NumPy's, for the
 glue), whose thread pools threadpoolctl controls; the Cython loops of their
 own (im2col, tile additions) are single-threaded.
+
+Within the caller's limit each kernel runs ``max(1, flops // flops_per_thread)``
+threads: one thread per ``FLOPS_PER_THREAD`` of work. Below that, waking a
+second BLAS thread costs more than it saves, and two OpenBLAS pools (NumPy's
+and SciPy's each have one) that both wake threads on a 2-core machine fight
+for the cores: measured here, alternating a NumPy product and a SciPy Gram of
+1,024 x 61 rows was 8x slower with 2 threads than with 1
+(docs/results/threads.md). The count is set directly through OpenBLAS's
+``openblas_set_num_threads`` of every OpenBLAS library threadpoolctl finds
+(pthreads builds; other BLAS libraries keep the caller's limit), process-wide,
+like threadpoolctl's limits.
 """
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import os
 from contextlib import contextmanager
 
 from threadpoolctl import ThreadpoolController
 
-__all__ = ["limit_cores", "available_cores", "blas_info"]
+from . import _kernels
+
+__all__ = ["limit_cores", "available_cores", "blas_info", "threads_for", "sized_threads",
+           "get_flops_per_thread", "set_flops_per_thread", "FLOPS_PER_THREAD"]
+
+# Work (flops, 2 x multiply-adds; N d^2 for a Gram) that pays for one more BLAS
+# thread. Measured on the 2-core development machine by
+# experiments/threads_report.py, which prints the value its grid supports;
+# FASTLS_FLOPS_PER_THREAD overrides it (0: always the caller's limit).
+FLOPS_PER_THREAD = 4e6
 
 _controller = None
+_bound = False
+# Every OpenBLAS build threadpoolctl knows names its thread functions with one of these affixes.
+_OPENBLAS_AFFIXES = tuple(itertools.product(("", "scipy_"), ("", "64_", "_64")))
 
 
 def _get_controller():
@@ -61,3 +86,86 @@ def limit_cores(n_cores):
 def blas_info():
     """threadpoolctl's description of the BLAS libraries and their threads."""
     return [info for info in _get_controller().info() if info.get("user_api") == "blas"]
+
+
+def _thread_functions(library):
+    """Addresses of an OpenBLAS library's get/set_num_threads, or None when it is not a pthreads OpenBLAS."""
+    if library.internal_api != "openblas" or getattr(library, "threading_layer", None) != "pthreads":
+        return None
+    dynlib = ctypes.CDLL(library.filepath)
+    for prefix, suffix in _OPENBLAS_AFFIXES:
+        getter = getattr(dynlib, f"{prefix}openblas_get_num_threads{suffix}", None)
+        setter = getattr(dynlib, f"{prefix}openblas_set_num_threads{suffix}", None)
+        if getter is not None and setter is not None:
+            return ctypes.cast(getter, ctypes.c_void_p).value, ctypes.cast(setter, ctypes.c_void_p).value
+    return None
+
+
+def _bind():
+    global _bound
+    if not _bound:
+        found = (_thread_functions(lib) for lib in _get_controller().lib_controllers if lib.user_api == "blas")
+        _kernels.bind_blas_threads([pair for pair in found if pair is not None])
+        _bound = True
+
+
+def _checked_flops(value, source):
+    try:
+        flops = float(value)
+    except (TypeError, ValueError):
+        flops = float("nan")
+    if not 0 <= flops < float("inf"):
+        raise ValueError(f"{source} must be a finite number >= 0 (flops of work per BLAS thread; 0 turns the "
+                         f"size rule off), got {value!r}")
+    return flops
+
+
+_flops_per_thread = _checked_flops(os.environ.get("FASTLS_FLOPS_PER_THREAD", FLOPS_PER_THREAD),
+                                   "FASTLS_FLOPS_PER_THREAD")
+
+
+def get_flops_per_thread():
+    """Work (flops) that pays for one more BLAS thread; 0 means the caller's limit always applies."""
+    return _flops_per_thread
+
+
+def set_flops_per_thread(flops):
+    """Set the work per thread of the size rule (0 turns the rule off); returns the previous value.
+
+    Parameters
+    ----------
+    flops : float >= 0
+        A kernel of W flops runs ``max(1, W // flops)`` threads within the
+        caller's limit. The default, :data:`FLOPS_PER_THREAD`, was measured
+        on a 2-core machine; ``experiments/threads_report.py`` measures it
+        on another.
+    """
+    global _flops_per_thread
+    flops = _checked_flops(flops, "flops")
+    previous, _flops_per_thread = _flops_per_thread, flops
+    _kernels.set_rule(flops, _bind)
+    return previous
+
+
+def threads_for(flops):
+    """BLAS threads the size rule gives a kernel of ``flops`` work, within the current limit.
+
+    Parameters
+    ----------
+    flops : float
+        The kernel's work, counted as 2 x multiply-adds (N d^2 for a Gram of N x d).
+
+    Returns
+    -------
+    int >= 1
+    """
+    _bind()
+    limit = _kernels.blas_threads() or 1
+    if _flops_per_thread == 0:
+        return limit
+    return int(max(1, min(limit, flops // _flops_per_thread)))
+
+
+# The context manager is compiled: entering it costs well under a microsecond.
+sized_threads = _kernels.sized_threads
+_kernels.set_rule(_flops_per_thread, _bind)

@@ -261,7 +261,7 @@ class Client:
         Y = one_hot(labels, self.n_classes, dtype=self.model.dtype)
         if position >= len(self.encoders):
             return Y
-        Z = Y @ self.encoders[position].astype(self.model.dtype, copy=False)
+        Z = fastls.matmul(Y, self.encoders[position].astype(self.model.dtype, copy=False), check_finite=False)
         shape = self._position_shape(position)
         return Z if shape is None else Z.reshape(len(Y), *shape)
 

@@ -705,7 +705,8 @@ class Dense(TrainableLayer):
         d = W.shape[0] - self.bias
         if x.shape[1] != d:
             raise ValueError(f"{self!r} expects input of shape (B, {d}), got {x.shape}")
-        out = x @ W[:d]
+        # Through fastls, not NumPy: one BLAS thread pool for the forward pass and the statistics.
+        out = fastls.matmul(x, W[:d], check_finite=False)
         if self.bias:
             out += W[d]
         return out
@@ -873,7 +874,7 @@ class Conv2d(TrainableLayer):
         for start in range(0, B, step):
             stop = min(B, start + step)
             P = fastls.im2col(x[start:stop], self.kernel_size, **self._conv_kwargs())
-            np.matmul(P, W, out=out[start:stop].reshape(-1, F))
+            fastls.matmul(P, W, out=out[start:stop].reshape(-1, F), check_finite=False)
         return out
 
 

@@ -1,0 +1,176 @@
+"""Time every kernel of the thread grid under 1 thread, 2 threads and the size rule's choice; print a markdown report.
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python experiments/threads_report.py \
+        [--repeat 5] [--out docs/results/threads.md] [--json docs/results/threads.json]
+
+The grid is bench/cases.py's THREAD_GRID (d = 16..4609, rows 64..65536, both
+dtypes; gram, cross and forward products of 128 columns, and d x d ridge
+solves). Each case is timed as a run of back-to-back calls that lasts at least
+``--budget`` seconds (one call when a call is longer), the three settings
+interleaved, the median of ``--repeat`` runs. "chosen" is 2 threads allowed
+with the size rule on; its ratio to the better of 1 and 2 threads is the
+issue's measure. The report also fits the rule's flops per thread to these
+measurements: the value a re-measured machine should put in
+fastls.FLOPS_PER_THREAD (or FASTLS_FLOPS_PER_THREAD).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import fastls
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from cases import THREAD_COLUMNS, THREAD_GRID, THREAD_KINDS, thread_case  # noqa: E402
+
+SETTINGS = {"one": (1, False), "two": (2, False), "chosen": (2, True)}
+TARGET_RATIO = 1.10
+LARGE = {"d": 785, "rows": 4096}  # "where the work is large": 2 threads should be >= 1.6x faster
+
+
+def per_call(call, budget):
+    """Seconds per call over a run of back-to-back calls lasting at least ``budget`` (one call if longer)."""
+    start = time.perf_counter()
+    call()
+    first = time.perf_counter() - start
+    calls = int(budget / first) if first < budget else 0
+    if calls == 0:
+        return first
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / calls
+
+
+def measure(call, flops_per_thread, repeat, budget):
+    times = {name: [] for name in SETTINGS}
+    names = list(SETTINGS)
+    for r in range(repeat):
+        for name in names[r % 3:] + names[:r % 3]:  # rotate the order: drifts hit all settings alike
+            cores, rule = SETTINGS[name]
+            previous = fastls.set_flops_per_thread(flops_per_thread if rule else 0)
+            try:
+                with fastls.limit_cores(cores):
+                    times[name].append(per_call(call, budget))
+            finally:
+                fastls.set_flops_per_thread(previous)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def fit_flops_per_thread(records):
+    """The flops per thread whose rule, applied to the measured 1- and 2-thread times, loses least to the best."""
+    best = None
+    for exponent in np.arange(4.0, 10.01, 0.125):
+        candidate = 10.0 ** exponent
+        ratios = [(r["two"] if r["flops"] >= 2 * candidate else r["one"]) / min(r["one"], r["two"]) for r in records]
+        score = (max(ratios), sum(ratios))
+        if best is None or score < best[0]:
+            best = (score, candidate)
+    return best[1], best[0][0]
+
+
+def grid_table(records, kind, dtype, grid):
+    rows_list = grid["rows"] if kind != "solve" else grid["rows"][:1]
+    if kind == "solve":
+        lines = ["| d | 1 thread (ms) | 2 threads (ms) | chosen (ms) | chosen / best | 1 / 2 |", "|---|---|---|---|---|---|"]
+        for r in records:
+            if r["kind"] == kind and r["dtype"] == dtype:
+                lines.append(f"| {r['d']} | {r['one'] * 1e3:.3f} | {r['two'] * 1e3:.3f} | {r['chosen'] * 1e3:.3f} | "
+                             f"{r['chosen'] / min(r['one'], r['two']):.2f} | {r['one'] / r['two']:.2f} |")
+        return lines
+    lines = ["| d \\ rows | " + " | ".join(str(n) for n in rows_list) + " |", "|---" * (len(rows_list) + 1) + "|"]
+    for d in grid["d"]:
+        cells = []
+        for n in rows_list:
+            r = next((r for r in records if (r["kind"], r["dtype"], r["d"], r["rows"]) == (kind, dtype, d, n)), None)
+            if r is None:
+                cells.append("-")
+                continue
+            ratio = r["chosen"] / min(r["one"], r["two"])
+            mark = "**" if ratio > TARGET_RATIO else ""
+            cells.append(f"{mark}{ratio:.2f}{mark} ({r['threads']}t, x{r['one'] / r['two']:.2f})")
+        lines.append(f"| {d} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=0.02, help="seconds of back-to-back calls per timing")
+    parser.add_argument("--size", choices=sorted(THREAD_GRID), default="full")
+    parser.add_argument("--flops-per-thread", type=float, default=fastls.get_flops_per_thread())
+    parser.add_argument("--kinds", nargs="+", default=THREAD_KINDS, choices=THREAD_KINDS)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    grid = THREAD_GRID[args.size]
+    records = []
+    started = time.perf_counter()
+    for kind in args.kinds:
+        for dtype in ("float32", "float64"):
+            for d in grid["d"]:
+                for rows in (grid["rows"] if kind != "solve" else grid["rows"][:1]):
+                    call, flops = thread_case(kind, d, rows, np.dtype(dtype))
+                    repeat = args.repeat if flops < 5e10 else 2
+                    times = measure(call, args.flops_per_thread, repeat, args.budget)
+                    previous = fastls.set_flops_per_thread(args.flops_per_thread)
+                    with fastls.limit_cores(2):
+                        threads = fastls.threads_for(flops)
+                    fastls.set_flops_per_thread(previous)
+                    records.append({"kind": kind, "dtype": dtype, "d": d, "rows": rows, "flops": flops,
+                                    "threads": threads, **times})
+                    print(f"{kind:6s} {dtype} d={d:5d} rows={rows:6d} 1t {times['one'] * 1e3:9.3f} ms  "
+                          f"2t {times['two'] * 1e3:9.3f} ms  chosen({threads}t) {times['chosen'] * 1e3:9.3f} ms",
+                          file=sys.stderr, flush=True)
+                    del call
+    elapsed = time.perf_counter() - started
+    ratios = [r["chosen"] / min(r["one"], r["two"]) for r in records]
+    worst = max(range(len(records)), key=lambda i: ratios[i])
+    over = [r for r, q in zip(records, ratios) if q > TARGET_RATIO]
+    large = [r["one"] / r["two"] for r in records
+             if r["kind"] != "solve" and r["d"] >= LARGE["d"] and r["rows"] >= LARGE["rows"]]
+    fitted, fitted_worst = fit_flops_per_thread(records)
+    w = records[worst]
+    lines = [
+        "# BLAS threads chosen by problem size",
+        "",
+        f"Command: `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python experiments/threads_report.py "
+        f"--repeat {args.repeat}` on {platform.machine()}, {fastls.available_cores()} cores "
+        f"({elapsed / 60:.0f} min). Rule: {args.flops_per_thread:.3g} flops per thread "
+        f"(2 threads from {2 * args.flops_per_thread:.3g} flops of work). Cross and forward products have "
+        f"{THREAD_COLUMNS} columns; solves are d x d Cholesky ridge solves of {THREAD_COLUMNS} right-hand sides.",
+        "",
+        f"- **chosen / best of (1, 2 threads)**: worst {ratios[worst]:.2f} ({w['kind']} {w['dtype']} d={w['d']} "
+        f"rows={w['rows']}), median {statistics.median(ratios):.2f}; {len(over)} of {len(records)} cases above "
+        f"{TARGET_RATIO:.2f} (target: none).",
+        f"- **2 threads against 1 where the work is large** (d >= {LARGE['d']}, rows >= {LARGE['rows']}, "
+        f"gram/cross/forward): speed-up min {min(large):.2f}x, median {statistics.median(large):.2f}x "
+        f"(target >= 1.6x)." if large else "- no large cases in this grid.",
+        f"- **Fitted rule**: {fitted:.3g} flops per thread would give a worst ratio of {fitted_worst:.2f} "
+        f"on these measurements.",
+        "",
+        "Cells: chosen / best (threads the rule chose, speed-up of 2 threads over 1); bold above "
+        f"{TARGET_RATIO:.2f}.",
+    ]
+    for kind in args.kinds:
+        for dtype in ("float32", "float64"):
+            lines += ["", f"## {kind}, {dtype}", ""] + grid_table(records, kind, dtype, grid)
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        Path(args.out).write_text(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"flops_per_thread": args.flops_per_thread, "records": records},
+                                              indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
