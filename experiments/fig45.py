@@ -1,6 +1,6 @@
 """Fig. 4/5: accuracy per round and averaged total training time per client.
 
-    python experiments/fig45.py --dataset mnist [--budget N [ALGORITHM=N ...]] [--out docs/results]
+    python experiments/fig45.py --dataset mnist [--seeds 0 1 2] [--budget N [ALGORITHM=N ...]] [--out docs/results]
 
 Runs FedACnnL, FedACnnL-WA, FedAvg, FedZO and BAFFLE on the same data,
 splits, DNN, client cores and clock. The paper trains the baselines for 20
@@ -8,6 +8,9 @@ rounds on MNIST and 600 on Synthetic; ``--budget`` caps the baselines' rounds
 when that does not fit here (``N`` for all, ``ALGORITHM=N`` for one), and
 their total time is then also given extrapolated to the paper's round count
 from the measured per-round time.
+With several seeds (each draws its own data split, client cores and
+initialization) the table gives the mean over seeds with each seed's values,
+and the idle-time ratio of FedACnnL to FedACnnL-WA per seed.
 Writes fig45_<dataset>.json, .md and two PNGs.
 """
 
@@ -40,7 +43,7 @@ def main():
     parser.add_argument("--budget", nargs="+", default=[],
                         help="cap on the baselines' rounds: N (all) and/or ALGORITHM=N entries")
     parser.add_argument("--eval-every", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--algorithms", nargs="+", default=ANALYTIC + BASELINE)
     args = parser.parse_args()
@@ -56,74 +59,98 @@ def main():
         for algorithm in [name] if name else BASELINE:
             rounds[algorithm] = min(paper_rounds, int(value))
 
-    try:
-        dataset = load_dataset(RunConfig(dataset=args.dataset, seed=args.seed))
-    except FileNotFoundError as err:
-        print(f"{args.dataset} not found: {err}", file=sys.stderr)
-        return 1
-    runs = {}
-    for algorithm in args.algorithms:
-        budget = rounds.get(algorithm)
-        config = RunConfig(algorithm=algorithm, dataset=args.dataset, model="dnn", seed=args.seed, rounds=budget,
-                           eval_every=args.eval_every or max(1, (budget or 1) // 50))
-        results = run(config, dataset=dataset)
-        results.pop("group_weights", None)
-        runs[algorithm] = results
-        t = results["time_per_client"]
-        print(f"{algorithm}: accuracy {results['accuracy']:.4f}, total/client {t['total_s']:.2f} s, "
-              f"wall {results['wall_s']:.0f} s", flush=True)
-    with open(out / f"fig45_{args.dataset}.json", "w") as f:
-        json.dump(runs, f, indent=1)
+    by_seed = {}
+    for seed in args.seeds:
+        try:
+            dataset = load_dataset(RunConfig(dataset=args.dataset, seed=seed))
+        except FileNotFoundError as err:
+            print(f"{args.dataset} not found: {err}", file=sys.stderr)
+            return 1
+        runs = by_seed[seed] = {}
+        for algorithm in args.algorithms:
+            budget = rounds.get(algorithm)
+            config = RunConfig(algorithm=algorithm, dataset=args.dataset, model="dnn", seed=seed, rounds=budget,
+                               eval_every=args.eval_every or max(1, (budget or 1) // 50))
+            results = run(config, dataset=dataset)
+            for in_memory in ("group_weights", "params"):  # arrays: kept out of the JSON
+                results.pop(in_memory, None)
+            runs[algorithm] = results
+            t = results["time_per_client"]
+            print(f"seed {seed} {algorithm}: accuracy {results['accuracy']:.4f}, total/client {t['total_s']:.2f} s, "
+                  f"idle {t['idle_s']:.3f} s, wall {results['wall_s']:.0f} s", flush=True)
+        with open(out / f"fig45_{args.dataset}.json", "w") as f:
+            json.dump({str(k): v for k, v in by_seed.items()}, f, indent=1)
 
-    def total(algorithm, extrapolate=True):
+    def total(runs, algorithm, extrapolate=True):
         results = runs[algorithm]
         scale = paper_rounds / len(results["rounds"]) if algorithm in BASELINE and extrapolate else 1.0
         return {k: v * scale for k, v in results["time_per_client"].items()}
 
+    def over_seeds(values, digits=2):
+        """Mean, and each seed's value when there are several."""
+        mean = float(np.mean(values))
+        if len(values) == 1:
+            return f"{mean:.{digits}f}"
+        return f"{mean:.{digits}f} ({' / '.join(f'{v:.{digits}f}' for v in values)})"
+
+    seeds = list(by_seed)
+    algorithms = list(by_seed[seeds[0]])
+    seed_text = " ".join(map(str, seeds))
     lines = [
         f"# Fig. 4/5 on {args.dataset}-DNN",
         "",
-        f"Command: `python experiments/fig45.py --dataset {args.dataset}"
-        + (f" --budget {' '.join(args.budget)}" if args.budget else "") + f" --seed {args.seed}` on "
+        f"Command: `python experiments/fig45.py --dataset {args.dataset} --seeds {seed_text}"
+        + (f" --budget {' '.join(args.budget)}" if args.budget else "") + f"` on "
         f"{platform.machine()}, {fastls.available_cores()} cores (clients run one at a time, each under its own "
         f"core limit of 1-{fastls.available_cores()}), 100 clients, simulated 100 Gbit/s links. Baselines: "
-        + ", ".join(f"{a} {rounds[a]}" for a in BASELINE if a in runs)
-        + f" rounds (paper: {paper_rounds}); hyperparameters in `fedlayer/baselines/hyper.py`.",
+        + ", ".join(f"{a} {rounds[a]}" for a in BASELINE if a in algorithms)
+        + f" rounds (paper: {paper_rounds}); hyperparameters in `fedlayer/baselines/hyper.py`."
+        + (f" Mean over seeds {', '.join(map(str, seeds))}, then each seed's value in brackets." if len(seeds) > 1
+           else ""),
         "",
-        "| algorithm | rounds run | final acc (%) | best acc (%) | time/client, measured (s) | compute | idle | comm "
-        f"| time/client at {paper_rounds} rounds (s) | per round (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| algorithm | rounds run | final acc (%) | time/client, measured (s) | compute | idle | comm "
+        f"| time/client at {paper_rounds} rounds (s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for algorithm, results in runs.items():
-        t, t_full = total(algorithm, False), total(algorithm)
-        n = len(results["rounds"])
-        best = results.get("best_accuracy", results["accuracy"])
-        lines.append(f"| {algorithm} | {n} | {100 * results['accuracy']:.2f} | {100 * best:.2f} | {t['total_s']:.2f} | "
-                     f"{t['compute_s']:.2f} | {t['idle_s']:.2f} | {t['comm_s']:.4f} | {t_full['total_s']:.1f} | "
-                     f"{t['total_s'] / n:.3f} |")
+    for algorithm in algorithms:
+        per_seed = [by_seed[s_][algorithm] for s_ in seeds]
+        measured = [total(by_seed[s_], algorithm, False) for s_ in seeds]
+        full = [total(by_seed[s_], algorithm)["total_s"] for s_ in seeds]
+        lines.append(
+            f"| {algorithm} | {len(per_seed[0]['rounds'])} | {over_seeds([100 * r['accuracy'] for r in per_seed])} | "
+            f"{over_seeds([t['total_s'] for t in measured])} | {over_seeds([t['compute_s'] for t in measured])} | "
+            f"{over_seeds([t['idle_s'] for t in measured], 3)} | {over_seeds([t['comm_s'] for t in measured], 4)} | "
+            f"{over_seeds(full, 1)} |")
     claims = PAPER_CLAIMS[args.dataset]
     lines += ["", "| FedACnnL reduces | measured here | paper |", "|---|---|---|"]
-    if "fedacnnl" in runs:
-        mine = total("fedacnnl")["total_s"]
+    if "fedacnnl" in algorithms:
         for baseline in BASELINE:
-            if baseline in runs:
-                lines.append(f"| total time of {baseline} (at {paper_rounds} rounds) | "
-                             f"{100 * (1 - mine / total(baseline)['total_s']):.1f}% | {claims[baseline]}% |")
-        if "fedacnnl-wa" in runs:
-            idle, idle_wa = total("fedacnnl")["idle_s"], total("fedacnnl-wa")["idle_s"]
-            lines.append(f"| idle time of fedacnnl-wa | {100 * (1 - idle / idle_wa):.1f}% | {claims['idle_vs_wa']}% |")
+            if baseline in algorithms:
+                cut = [100 * (1 - total(by_seed[s_], "fedacnnl")["total_s"] / total(by_seed[s_], baseline)["total_s"])
+                       for s_ in seeds]
+                lines.append(f"| total time of {baseline} (at {paper_rounds} rounds) | {over_seeds(cut, 1)}% | "
+                             f"{claims[baseline]}% |")
+        if "fedacnnl-wa" in algorithms:
+            ratio = [total(by_seed[s_], "fedacnnl")["idle_s"] / total(by_seed[s_], "fedacnnl-wa")["idle_s"]
+                     for s_ in seeds]
+            lines.append(f"| idle time of fedacnnl-wa | {over_seeds([100 * (1 - r) for r in ratio], 1)}% | "
+                         f"{claims['idle_vs_wa']}% |")
+            lines += ["", f"Idle time of FedACnnL / FedACnnL-WA: {over_seeds(ratio, 2)} "
+                          f"(paper: {1 - claims['idle_vs_wa'] / 100:.2f})."]
     (out / f"fig45_{args.dataset}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    _plots(runs, out, args.dataset, paper_rounds)
+    _plots(by_seed, out, args.dataset)
     return 0
 
 
-def _plots(runs, out, dataset, paper_rounds):
+def _plots(by_seed, out, dataset):
+    """Fig. 4 from the first seed's curves; Fig. 5 as the mean over seeds with each seed's range."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    runs = by_seed[next(iter(by_seed))]
     fig, ax = plt.subplots(figsize=(6, 4))
     for algorithm, results in runs.items():
         points = [(int(k), r["accuracy"]) for k, r in results["rounds"].items() if r["accuracy"] is not None]
@@ -132,7 +159,7 @@ def _plots(runs, out, dataset, paper_rounds):
     ax.set_xscale("log")
     ax.set_xlabel("training round")
     ax.set_ylabel("overall test accuracy (%)")
-    ax.set_title(f"{dataset}-DNN, 100 clients")
+    ax.set_title(f"{dataset}-DNN, 100 clients (seed {next(iter(by_seed))})")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -143,9 +170,12 @@ def _plots(runs, out, dataset, paper_rounds):
     names = list(runs)
     bottom = np.zeros(len(names))
     for part in ("compute_s", "idle_s", "comm_s"):
-        values = np.array([runs[a]["time_per_client"][part] for a in names])
-        ax.bar(names, values, bottom=bottom, label=part[:-2])
-        bottom += values
+        values = np.array([[r[a]["time_per_client"][part] for r in by_seed.values()] for a in names])
+        mean = values.mean(axis=1)
+        ax.bar(names, mean, bottom=bottom, label=part[:-2],
+               yerr=[mean - values.min(axis=1), values.max(axis=1) - mean] if values.shape[1] > 1 else None,
+               capsize=3)
+        bottom += mean
     ax.set_ylabel("time per client (s)")
     ax.set_title(f"{dataset}-DNN")
     ax.legend()

@@ -31,10 +31,12 @@ __all__ = ["limit_cores", "available_cores", "blas_info", "threads_for", "sized_
            "get_flops_per_thread", "set_flops_per_thread", "FLOPS_PER_THREAD"]
 
 # Work (flops, 2 x multiply-adds; N d^2 for a Gram) that pays for one more BLAS
-# thread. Measured on the 2-core development machine by
-# experiments/threads_report.py, which prints the value its grid supports;
+# thread. On the 2-core development machine, with one BLAS pool at work, any
+# value from 3e4 to 5e5 fitted the grid of experiments/threads_report.py
+# equally well (docs/results/threads.md); 2e5 is the middle of that range in
+# log scale and keeps kernels under ~20 us single-threaded.
 # FASTLS_FLOPS_PER_THREAD overrides it (0: always the caller's limit).
-FLOPS_PER_THREAD = 4e6
+FLOPS_PER_THREAD = 2e5
 
 _controller = None
 _bound = False
