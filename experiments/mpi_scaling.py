@@ -80,7 +80,8 @@ def main():
     for ranks, wall in rows:
         r = results[ranks]
         compute = sum(c["compute_s"] for rec in r["rounds"].values() for c in rec["clients"].values())
-        recv = sum(c.get("mpi_recv_s", 0.0) for rec in r["rounds"].values() for c in rec["clients"].values())
+        recv = sum(part.get("receive_s", 0.0) for rec in r["rounds"].values()
+                   for part in rec.get("transport", {}).values())
         name = "in-process" if ranks == 1 else f"mpiexec -n {ranks}"
         lines.append(f"| {name} | {wall:.1f} | {compute:.2f} | {recv:.3f} | {r['accuracy']:.4f} |")
     lines += [

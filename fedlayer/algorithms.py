@@ -108,7 +108,8 @@ class AnalyticAlgorithm(Algorithm):
         # Activations too large for RAM go under the run's output folder (else a temporary one).
         cache_dir = Path(config.output) / "activations" if config.output else None
         return Client(cid, data, model_config, config.seed, n_classes, cores, np.float64, cache_dir=cache_dir,
-                      conv_targets=config.conv_targets, eps_criterion=config.eps_criterion)
+                      conv_targets=config.conv_targets, eps_criterion=config.eps_criterion,
+                      drop_probability=config.drop_clients, round_deadline_s=config.round_deadline)
 
     def train(self, config, transport, model, clock, progress):
         resume_state = None
@@ -168,6 +169,9 @@ class BaselineAlgorithm(Algorithm):
 
     def check_config(self, config):
         check_param("model", config.model, [Options(*MODEL_HIDDEN)])
+        if config.drop_clients or config.round_deadline is not None:
+            raise ValueError(f"drop_clients and round_deadline apply to the analytic methods; {self.name!r} "
+                             f"takes neither")
         baseline_hyper(self.name, config.dataset, config.model, **(config.hyper or {}))  # names unknown keys
 
     def make_client(self, cid, data, config, n_classes, model_config, cores):

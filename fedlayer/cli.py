@@ -187,7 +187,14 @@ def cmd_run(args):
 
     comm = mpi.world()  # None unless launched by mpiexec with more than one rank
     if comm is not None and comm.Get_rank() > 0:
-        return mpi.serve(comm, config)
+        from .run import rank_clients
+
+        try:
+            clients = rank_clients(config, comm.Get_rank(), comm.Get_size())
+        except Exception as err:
+            mpi.report_startup_failure(comm, err)
+            clients = None
+        return mpi.serve(comm, clients)
     transport = None if comm is None else mpi.MPITransport(comm, deadline_s=args.mpi_deadline)
     bar = None if args.quiet else _ProgressBar(config.algorithm)
     try:

@@ -23,7 +23,7 @@ import fastls
 from .data import ClientData, one_hot
 from .models import Model
 
-__all__ = ["Client", "label_encoders", "encoder_widths", "target_bases", "encoder_for_clustering", "init_weights",
+__all__ = ["Client", "ClientDropout", "label_encoders", "encoder_widths", "target_bases", "encoder_for_clustering", "init_weights",
            "CLIENT_SCRATCH_BYTES", "CONV_TARGETS", "EPS_CRITERIA"]
 
 #: A client computes one layer's statistics at a time, so it can afford more
@@ -38,6 +38,10 @@ CLIENT_SCRATCH_BYTES = 4 * fastls.DEFAULT_SCRATCH_BYTES
 #: would cost more than the personalization). At 4 rows per feature, GCV's
 #: choices cost MNIST-DNN pFedACnnL a point of accuracy against leave-one-out.
 GCV_ROWS_PER_FEATURE = 32
+
+
+class ClientDropout(RuntimeError):
+    """A client left a round: a simulated failure (``drop_probability``) or a missed round deadline."""
 
 
 def label_encoders(seed, n_classes, widths):
@@ -224,7 +228,8 @@ class Client:
 
     def __init__(self, client_id, data: ClientData, model_config, seed, n_classes, cores=1,
                  stat_dtype=np.float64, scratch_bytes=CLIENT_SCRATCH_BYTES, cache_dir=None,
-                 cache_ram_bytes=16 * 2**20, conv_targets="position", eps_criterion="loo"):
+                 cache_ram_bytes=16 * 2**20, conv_targets="position", eps_criterion="loo", drop_probability=0.0,
+                 round_deadline_s=None):
         self.client_id = int(client_id)
         self.data = data
         self.model = Model.from_config(model_config)
@@ -238,6 +243,10 @@ class Client:
         if eps_criterion not in EPS_CRITERIA:
             raise ValueError(f"eps_criterion must be one of {EPS_CRITERIA}, got {eps_criterion!r}")
         self.eps_criterion = eps_criterion
+        if not 0.0 <= drop_probability < 1.0:
+            raise ValueError(f"drop_probability must be in [0, 1), got {drop_probability!r}")
+        self.drop_probability = float(drop_probability)
+        self.round_deadline_s = None if round_deadline_s is None else float(round_deadline_s)
         self.encoders = label_encoders(self.seed, self.n_classes, encoder_widths(self.model, conv_targets))
         self.bases = target_bases(self.model, self.seed, conv_targets)
         self.meta_weights = {}  # position -> the group's meta-model weights, kept for personalization
@@ -443,6 +452,10 @@ class Client:
         """
         if batch_size < 1:
             raise ValueError(f"client {self.client_id}: batch_size must be >= 1, got {batch_size}")
+        if self.drop_probability and np.random.default_rng([self.seed, self.client_id, round_index, 0xD0]).random() \
+                < self.drop_probability:
+            raise ClientDropout(f"client {self.client_id}: simulated failure in layer {position + 1} "
+                                f"(drop probability {self.drop_probability:g})")
         rng = np.random.default_rng([self.seed, self.client_id, round_index])
         start = time.perf_counter()
         with self._resident(), fastls.limit_cores(self.cores):
@@ -450,7 +463,12 @@ class Client:
             upload = {"G": G, "C": C}
             if target_moments:
                 upload["zz"], upload["rows"] = self._target_moments(position)
-        return {**upload, "n": self.data.n_train, "compute_s": time.perf_counter() - start,
+        compute_s = time.perf_counter() - start
+        if self.round_deadline_s is not None and compute_s > self.round_deadline_s:
+            # Computed, but too late: the server has moved on without it.
+            raise ClientDropout(f"client {self.client_id}: busy {compute_s:.3f} s in layer {position + 1}, past the "
+                                f"round deadline of {self.round_deadline_s:g} s")
+        return {**upload, "n": self.data.n_train, "compute_s": compute_s,
                 "parts": {"forward_s": forward_s, "stats_s": stats_s}}
 
     def set_weights(self, position, weights):

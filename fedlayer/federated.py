@@ -31,10 +31,14 @@ import fastls
 from .timing import Clock, RoundLog, payload_bytes
 from .transport import overall_accuracy
 
-__all__ = ["Variant", "VARIANTS", "adaptive_batch_sizes", "run_protocol"]
+__all__ = ["Variant", "VARIANTS", "adaptive_batch_sizes", "run_protocol", "AllClientsDropped"]
 
 #: What a client's local_stats result sends up (the rest is local timing).
 UPLOADED = ("G", "C", "zz", "rows")
+
+
+class AllClientsDropped(RuntimeError):
+    """Every client of a group dropped out of a round: its layer cannot be solved."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,8 @@ def _gcv_choice(G, C, zz, rows, basis):
 
 def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500.0, groups=10, seed=0,
                  batch_size=64, max_batch_size=1024, clock=Clock(), stat_dtype=np.float64, progress=None,
-                 checkpoint=None, resume=None, fingerprint=None, target_bases=None, gamma_scope="all"):
+                 checkpoint=None, resume=None, fingerprint=None, target_bases=None, gamma_scope="all",
+                 aggregation=None):
     """Run one algorithm over ``transport``'s clients; returns the results record.
 
     Parameters
@@ -149,6 +154,11 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         (Z_l = Y Q_l; None for the output layer). The server then solves on
         the n_classes columns of C Q_l^+ instead of the d_l columns of C
         (:func:`fastls.ridge_solve`'s ``rhs_basis``): the same weights.
+
+    aggregation : fedlayer.transport.PlainSum or a secure aggregation, optional
+        How the transport sums the clients' statistics (default: as they are).
+        A client whose ``local_stats`` raises drops out of that round: the
+        layer is solved on the others' sums and the round records it.
 
     Returns
     -------
@@ -216,24 +226,23 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
             members = [cid for cid in cids if group_of[cid] == k]
             args = {cid: {"position": position, "batch_size": batch[cid], "round_index": position,
                           **({"target_moments": True} if auto_gamma else {})} for cid in members}
-            G_sum = C_sum = None
-            zz_sum, rows_sum = 0.0, 0
-            for cid, result in transport.call("local_stats", args):
-                uploaded = {key: result[key] for key in UPLOADED if key in result}
-                log.arrived(cid, result["compute_s"], payload_bytes(uploaded), result.get("mpi_recv_s"),
-                            parts=result.get("parts"))
-                if G_sum is None:
-                    G_sum = np.zeros_like(result["G"], dtype=stat_dtype)
-                    C_sum = np.zeros_like(result["C"], dtype=stat_dtype)
-                # Fold and drop: the server never holds more than one client's statistics.
-                G_sum += result["G"]
-                C_sum += result["C"]
-                if auto_gamma:
-                    zz_sum += float(result["zz"])
-                    rows_sum += int(result["rows"])
-                del result, uploaded
-            if G_sum is None:
+            # The transport returns the group's sums only (never one client's statistics).
+            outcome = transport.sum("local_stats", args, UPLOADED, dtype=stat_dtype, upper=("G",),
+                                    aggregation=aggregation, context=(position, k))
+            for cid, receipt in outcome.receipts.items():
+                log.arrived(cid, receipt["compute_s"], outcome.up_bytes[cid], parts=receipt.get("parts"))
+            log.dropped.update(outcome.dropped)
+            log.transport.update({f"group {k} {where}": v for where, v in outcome.transport.items()})
+            if not outcome.receipts:
+                if outcome.dropped:
+                    first = next(iter(outcome.dropped.items()))
+                    raise AllClientsDropped(f"every client of group {k} dropped out of layer {position + 1} "
+                                       f"({len(outcome.dropped)}: {sorted(outcome.dropped)}); client {first[0]}: "
+                                       f"{first[1]}")
                 continue
+            G_sum, C_sum = outcome.totals["G"], outcome.totals["C"]
+            zz_sum, rows_sum = float(outcome.totals.get("zz", 0.0)), int(outcome.totals.get("rows", 0))
+            del outcome
             start = time.perf_counter()
             if pooled_gamma:
                 # Solved below, with the gamma chosen on the sums over all groups.
@@ -262,11 +271,12 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
                 install(k, fastls.ridge_solve(G_k, C_k, chosen, overwrite_g=True, overwrite_c=True, rhs_basis=basis))
             pending.clear()
             log.server_s += time.perf_counter() - start
-        # Durations of this round drive the next round's batch sizes (eq. 7).
-        durations = {cid: log.compute[cid] + log.up[cid] for cid in cids}
+        # Durations of this round drive the next round's batch sizes (eq. 7); a
+        # client that dropped out keeps its batch size.
+        durations = {cid: log.compute[cid] + log.up[cid] for cid in cids if cid in log.compute}
         first_durations = first_durations or durations
         if variant.adaptive:
-            batch = adaptive_batch_sizes(durations, first_durations, first_batch, max_batch)
+            batch.update(adaptive_batch_sizes(durations, first_durations, first_batch, max_batch))
         set_args = {cid: {"position": position, "weights": weights[group_of[cid]]} for cid in cids}
         for cid, _ in transport.call("set_weights", set_args):
             log.sent(cid, weights[group_of[cid]].nbytes + 8)  # the weights and the next batch size

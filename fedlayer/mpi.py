@@ -12,20 +12,27 @@ Protocol (all on ``COMM_WORLD``):
   ``{"op": "call", "method", "clients": [(cid, kwargs skeleton)], "arrays": [...]}``
   or ``{"op": "stop", "status"}``; the NumPy arrays of the kwargs follow as raw
   buffers (``Isend``, tag ``TAG_CMD_DATA``), never pickled;
-* worker -> rank 0, tag ``TAG_RESULT``: per client, as soon as it finishes, a
-  pickled header (result skeleton, shapes, dtypes, scalars) followed by the
-  raw buffers (``Send``, tag ``TAG_DATA``); or an error header naming rank,
-  client and exception; or ``{"op": "bye"}`` acknowledging a stop.
+* worker -> rank 0, tag ``TAG_RESULT``: for a ``call``, per client, as soon as
+  it finishes, a pickled header (result skeleton, shapes, dtypes, scalars)
+  followed by the raw buffers (``Send``, tag ``TAG_DATA``). For a ``sum``
+  (``{"op": "sum", ..., "keys", "dtype", "upper", "aggregation", "context"}``),
+  per client a small ``receipt`` (its other entries) or ``dropped`` (its
+  error), and after the rank's last client one ``partial``: the rank's own
+  sum of its clients' entries, sent without blocking (the rank goes on to its
+  next command while it travels). Rank 0 thus receives one set of matrices
+  per rank and sum (a sum is one group of one layer), not one per client.
+  Otherwise an error header naming rank, client and exception, or
+  ``{"op": "bye"}`` acknowledging a stop.
 
 Buffers over ``chunk_bytes`` (2**30) travel as several messages (MPI counts
-are C ints). With ``pack_upper`` the statistics ``G`` of ``local_stats`` --
-whose lower triangle the clients never touch -- travel as their packed upper
-triangle, d(d+1)/2 values instead of d^2 (off by default: slower over shared
-memory, see :class:`MPITransport` and ``experiments/mpi_pack.py``).
+are C ints). With ``pack_upper`` the entries a sum declares upper-triangular
+(the Gram matrices, whose lower triangle the clients never touch) travel as
+their packed upper triangle, d(d+1)/2 values instead of d^2 (off by default:
+slower over shared memory, see :class:`MPITransport` and
+``experiments/mpi_pack.py``).
 
-Each result dict gains ``"mpi_recv_s"``: seconds rank 0 spent receiving its
-buffers (not added to ``label_summary``, whose whole payload is counted as
-upload bytes).
+A sum's :attr:`~fedlayer.transport.Sum.transport` holds, per rank, the bytes
+of its partial sum and the seconds rank 0 spent receiving them.
 
 MPI is imported lazily and only when the process was started by ``mpiexec``
 (see :func:`world`), so plain runs never initialize it.
@@ -41,9 +48,9 @@ import traceback
 
 import numpy as np
 
-from .transport import Transport
+from .transport import PlainSum, Sum, Transport, client_side_sum, fold
 
-__all__ = ["MPITransport", "serve", "world", "hosting_rank", "CHUNK_BYTES"]
+__all__ = ["MPITransport", "serve", "report_startup_failure", "world", "hosting_rank", "CHUNK_BYTES"]
 
 TAG_CMD, TAG_CMD_DATA, TAG_RESULT, TAG_DATA = 11, 12, 13, 14
 CHUNK_BYTES = 2**30
@@ -92,8 +99,11 @@ class _Ref:
 
 # -- (de)serialization: skeleton + raw buffers ---------------------------------
 
-def _flatten(obj, arrays, descs, memo, pack=False):
-    """Replace arrays by _Ref placeholders; buffers go to ``arrays``, (shape, dtype, packed) to ``descs``."""
+def _flatten(obj, arrays, descs, memo, pack=False, packed_keys=()):
+    """Replace arrays by _Ref placeholders; buffers go to ``arrays``, (shape, dtype, packed) to ``descs``.
+
+    Square matrices under a dict key of ``packed_keys`` travel as their packed upper triangle.
+    """
     if isinstance(obj, np.ndarray):
         key = (id(obj), pack)
         if key in memo:
@@ -105,7 +115,7 @@ def _flatten(obj, arrays, descs, memo, pack=False):
         descs.append((obj.shape, obj.dtype.str, packed))
         return _Ref(len(arrays) - 1)
     if isinstance(obj, dict):
-        return {k: _flatten(v, arrays, descs, memo, pack and k == "G") for k, v in obj.items()}
+        return {k: _flatten(v, arrays, descs, memo, k in packed_keys) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(_flatten(v, arrays, descs, memo) for v in obj)
     return obj
@@ -206,7 +216,8 @@ class MPITransport(Transport):
         pending, and :meth:`close` aborts the job (a hung rank cannot be
         stopped otherwise).
     pack_upper : bool or None
-        Send the ``G`` of ``local_stats`` as its packed upper triangle. Off by
+        Send the entries a sum declares upper-triangular (the Gram matrices)
+        as their packed upper triangles. Off by
         default (None reads ``FEDLAYER_MPI_PACK_UPPER``, default 0): measured
         over shared memory on a 2-core machine, packing and unpacking
         (~50 ms for d=4609) cost more than the halved transfer saves; it pays
@@ -254,12 +265,12 @@ class MPITransport(Transport):
         self.client_ids
         return self._rank_of[cid]
 
-    def call(self, method, args):
+    def _dispatch(self, op, method, args, extra=None):
+        """Send ``op`` for ``method`` to every rank hosting a client of ``args``; returns (seq, pending per rank)."""
         if self._closed:
             raise RuntimeError("MPITransport is closed")
         rank_of = {cid: self.rank_of(cid) for cid in args}
         self._seq += 1
-        seq = self._seq
         pending = {r: set() for r in self.workers}
         for cid, r in rank_of.items():
             pending[r].add(cid)
@@ -268,32 +279,72 @@ class MPITransport(Transport):
                 continue
             arrays, descs, memo = [], [], {}
             clients = [(cid, _flatten(args[cid], arrays, descs, memo)) for cid in args if rank_of[cid] == r]
-            header = {"op": "call", "seq": seq, "method": method, "pack_upper": self.pack_upper,
-                      "clients": clients, "arrays": descs}
+            header = {"op": op, "seq": self._seq, "method": method, "clients": clients, "arrays": descs,
+                      **(extra or {})}
             self._sends.append((self.comm.isend(header, dest=r, tag=TAG_CMD), None))
             for request in _send_buffers(self.comm, arrays, r, TAG_CMD_DATA, self.chunk, blocking=False):
                 self._sends.append((request, arrays))
+        return self._seq, pending
+
+    def call(self, method, args):
+        seq, pending = self._dispatch("call", method, args)
         busy = {r for r in self.workers if pending[r]}
         last = {r: time.monotonic() for r in busy}
 
         def still_waiting():
             return {r: sorted(pending[r]) for r in busy}
 
-        for source, header, recv_s in self._messages(busy, last, still_waiting):
-            op = header["op"]
-            if op == "result" and header["seq"] == seq and header["cid"] in pending[source]:
+        for source, header, _ in self._messages(busy, last, still_waiting):
+            if header["op"] == "result" and header["seq"] == seq and header["cid"] in pending[source]:
                 cid = header["cid"]
                 pending[source].discard(cid)
                 if not pending[source]:
                     busy.discard(source)
-                result = header["result"]
-                if isinstance(result, dict) and method != "label_summary":
-                    # label_summary's whole payload is counted as uploaded bytes; keep it unchanged.
-                    result["mpi_recv_s"] = recv_s
-                yield cid, result
+                yield cid, header["result"]
             else:
                 self._unexpected(source, header)
         self._reap_sends(wait=True)
+
+    def sum(self, method, args, keys, *, dtype=np.float64, upper=(), aggregation=None, context=None):
+        aggregation = aggregation or PlainSum()
+        extra = {"keys": list(keys), "dtype": np.dtype(dtype).str, "aggregation": aggregation, "context": context,
+                 "packed_keys": list(upper) if self.pack_upper else []}
+        seq, pending = self._dispatch("sum", method, args, extra)
+        busy = {r for r in self.workers if pending[r]}
+        last = {r: time.monotonic() for r in busy}
+        outcome = Sum()
+        partial_due = set(busy)  # ranks whose partial sum has not arrived
+
+        def still_waiting():
+            return {r: sorted(pending[r]) if pending[r] else "its partial sum" for r in busy}
+
+        for source, header, recv_s in self._messages(busy, last, still_waiting):
+            op = header["op"]
+            if header.get("seq") != seq or op not in ("receipt", "dropped", "partial"):
+                self._unexpected(source, header)
+            if op == "partial":
+                if pending[source] or source not in partial_due:
+                    self._unexpected(source, header)
+                fold(outcome.totals, header["result"], dtype)
+                outcome.transport[f"rank {source}"] = {"bytes": header["nbytes"], "receive_s": recv_s}
+                partial_due.discard(source)
+                busy.discard(source)
+                continue
+            cid = header["cid"]
+            if cid not in pending[source]:
+                self._unexpected(source, header)
+            pending[source].discard(cid)
+            if op == "dropped":
+                outcome.dropped[cid] = header["error"]
+            else:
+                outcome.receipts[cid] = header["result"]
+                outcome.up_bytes[cid] = header["nbytes"]
+        self._reap_sends(wait=True)
+        if outcome.receipts:
+            outcome.totals = aggregation.decode(context, outcome.totals, sorted(outcome.receipts), outcome.dropped)
+        else:
+            outcome.totals = {}
+        return outcome
 
     def _unexpected(self, source, header):
         """A worker's error report (or a protocol violation): stop every rank, then raise."""
@@ -402,43 +453,44 @@ def _abort(comm):
 
 # -- worker side ----------------------------------------------------------------
 
-def _test_hooks(method, cid):
-    """Test-only failure injection (environment variables read by the worker)."""
-    if method != "local_stats":
-        return
+def _test_hooks(cid):
+    """Test-only failure injection in a sum (environment variables read by the worker)."""
     if os.environ.get("FEDLAYER_TEST_FAIL_CLIENT") == str(cid):
         raise RuntimeError(f"injected failure for client {cid} (FEDLAYER_TEST_FAIL_CLIENT)")
     if os.environ.get("FEDLAYER_TEST_HANG_CLIENT") == str(cid):
         while True:
             time.sleep(3600)
+    if os.environ.get("FEDLAYER_TEST_EXIT_CLIENT") == str(cid):
+        os._exit(3)  # the rank dies without a word, as a crashed node would
 
 
-def serve(comm, config):
-    """Worker loop of ranks 1..R-1: host this rank's clients until told to stop; returns the exit status."""
+def report_startup_failure(comm, err):
+    """Tell rank 0 that this rank could not build its clients (it then stops the job naming this rank)."""
+    comm.send({"op": "error", "rank": comm.Get_rank(), "cid": None, "method": "startup",
+               "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()},
+              dest=0, tag=TAG_RESULT)
+
+
+def serve(comm, clients):
+    """Worker loop of ranks 1..R-1: host ``clients`` (this rank's) until told to stop; returns the exit status.
+
+    Parameters
+    ----------
+    comm : mpi4py communicator (COMM_WORLD), rank > 0
+    clients : list of client objects, or None after :func:`report_startup_failure`
+        (the rank then only waits for the stop).
+    """
     from mpi4py import MPI
 
-    from .algorithms import ALGORITHMS
-    from .run import build, load_dataset, make_clients
-
-    rank, size = comm.Get_rank(), comm.Get_size()
+    rank = comm.Get_rank()
     chunk = _chunk_bytes()
-    try:
-        dataset = load_dataset(config)
-        model_config = build(config, dataset).config()
-        if ALGORITHMS[config.algorithm].centralized:
-            ids = [0] if rank == 1 else []
-        else:
-            ids = [cid for cid in range(len(dataset.clients)) if hosting_rank(cid, size) == rank]
-        clients = {c.client_id: c for c in make_clients(config, dataset, model_config, client_ids=ids)} if ids else {}
-        del dataset  # the other clients' data goes with it
+    if clients is not None:
+        clients = {c.client_id: c for c in clients}
         comm.send({"op": "hello", "clients": sorted(clients)}, dest=0, tag=TAG_RESULT)
-    except Exception as err:
-        comm.send({"op": "error", "rank": rank, "cid": None, "method": "startup",
-                   "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()},
-                  dest=0, tag=TAG_RESULT)
+    else:
         clients = {}
-
     status = MPI.Status()
+    partial_sends = []  # the last partial sum's Isend requests and the buffers they read
 
     def next_command(block=True):
         delay = 1e-4
@@ -448,8 +500,20 @@ def serve(comm, config):
             delay = _sleep(delay)
         return comm.recv(source=0, tag=TAG_CMD)
 
+    def send(header, arrays, blocking=True):
+        comm.send(header, dest=0, tag=TAG_RESULT)
+        return _send_buffers(comm, arrays, 0, TAG_DATA, chunk, blocking=blocking)
+
+    def error(cid, method, err):
+        comm.send({"op": "error", "rank": rank, "cid": cid, "method": method,
+                   "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()},
+                  dest=0, tag=TAG_RESULT)
+
     while True:
         command = next_command()
+        if partial_sends:
+            MPI.Request.Waitall([request for request, _ in partial_sends])
+            partial_sends = []
         if command["op"] == "stop":
             comm.send({"op": "bye", "rank": rank}, dest=0, tag=TAG_RESULT)
             return int(command.get("status", 0))
@@ -457,26 +521,46 @@ def serve(comm, config):
         buffers, requests = _post_receives(comm, descs, 0, TAG_CMD_DATA, chunk)
         MPI.Request.Waitall(requests)
         arrays = _unwire(buffers, descs)
-        method = command["method"]
+        method, seq = command["method"], command["seq"]
+        args = {cid: _inflate(skeleton, arrays) for cid, skeleton in command["clients"]}
+        if command["op"] == "sum":
+            def report(cid, receipt, nbytes, reason):
+                # Each client's receipt (small) as soon as it is done; the partial sum after the last one.
+                if reason is not None:
+                    comm.send({"op": "dropped", "seq": seq, "cid": cid, "error": reason}, dest=0, tag=TAG_RESULT)
+                    return
+                out, out_descs = [], []
+                skeleton = _flatten(receipt, out, out_descs, {})
+                send({"op": "receipt", "seq": seq, "cid": cid, "result": skeleton, "arrays": out_descs,
+                      "nbytes": nbytes}, out)
+
+            try:
+                totals = client_side_sum(clients, method, args, command["keys"], np.dtype(command["dtype"]),
+                                         command["aggregation"], command["context"], hooks=_test_hooks,
+                                         done=report)[0]
+            except Exception as err:
+                error(None, method, err)
+                continue
+            out, out_descs = [], []
+            skeleton = _flatten(totals, out, out_descs, {}, packed_keys=command["packed_keys"])
+            requests = send({"op": "partial", "seq": seq, "result": skeleton, "arrays": out_descs,
+                             "nbytes": int(sum(b.nbytes for b in out))}, out, blocking=False)
+            partial_sends = [(request, out) for request in requests]
+            del totals
+            continue
         stop = None
-        for cid, skeleton in command["clients"]:
+        for cid, kwargs in args.items():
             stop = next_command(block=False)  # only a stop can arrive during a call
             if stop is not None:
                 break
             try:
-                kwargs = _inflate(skeleton, arrays)
-                _test_hooks(method, cid)
                 result = getattr(clients[cid], method)(**kwargs)
             except Exception as err:
-                comm.send({"op": "error", "rank": rank, "cid": cid, "method": method,
-                           "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()},
-                          dest=0, tag=TAG_RESULT)
+                error(cid, method, err)
                 break
             out, out_descs = [], []
-            skeleton_out = _flatten(result, out, out_descs, {}, pack=command["pack_upper"] and method == "local_stats")
-            comm.send({"op": "result", "seq": command["seq"], "cid": cid, "result": skeleton_out,
-                       "arrays": out_descs}, dest=0, tag=TAG_RESULT)
-            _send_buffers(comm, out, 0, TAG_DATA, chunk, blocking=True)
+            skeleton_out = _flatten(result, out, out_descs, {})
+            send({"op": "result", "seq": seq, "cid": cid, "result": skeleton_out, "arrays": out_descs}, out)
             del result, out
         if stop is not None:
             comm.send({"op": "bye", "rank": rank}, dest=0, tag=TAG_RESULT)

@@ -71,6 +71,8 @@ CONFIG_CONSTRAINTS = {
     "rounds": [None, Interval(int, 1, None)],
     "eval_every": _POSITIVE_INT,
     "hyper": [None, InstanceOf(dict, "a dict of hyperparameter names to numbers")],
+    "drop_clients": [Interval(float, 0, 1, closed="left")],
+    "round_deadline": [None] + _POSITIVE,
 }
 
 #: The RunConfig keys that define the clients' data and its train/test split.
@@ -112,6 +114,8 @@ class RunConfig:
     rounds: int | None = None    # baselines only: training rounds (default: the paper's, see BASELINES)
     eval_every: int = 1          # baselines only: evaluate every this many rounds (and the last)
     hyper: dict | None = None    # baselines only: hyperparameter overrides, e.g. {"lr": 1e-4} (see BASELINES)
+    drop_clients: float = 0.0    # analytic methods: chance that a client fails in a round (seeded; simulated)
+    round_deadline: float | None = None  # analytic methods: a client busy longer (s) in a round drops out of it
 
     def validate(self, where=""):
         """Check every value against :data:`CONFIG_CONSTRAINTS` and the algorithm's own rules.
@@ -196,6 +200,24 @@ def make_clients(config: RunConfig, dataset, model_config, client_ids=None):
         clients.append(algorithm.make_client(cid, data, config, dataset.n_classes, model_config, cores[cid]))
         del data
     return clients
+
+
+def rank_clients(config: RunConfig, rank, size):
+    """The clients MPI rank ``rank`` (> 0) of ``size`` hosts: ``1 + cid % (size - 1) == rank``.
+
+    Every rank loads the dataset itself (same seed, same partition), builds
+    its own clients and drops the rest; the pooled client of a centralized
+    run lives on rank 1.
+    """
+    from .mpi import hosting_rank
+
+    dataset = load_dataset(config)
+    model_config = build(config, dataset).config()
+    if ALGORITHMS[config.algorithm].centralized:
+        ids = [0] if rank == 1 else []
+    else:
+        ids = [cid for cid in range(len(dataset.clients)) if hosting_rank(cid, size) == rank]
+    return make_clients(config, dataset, model_config, client_ids=ids) if ids else []
 
 
 def load_dataset(config: RunConfig):

@@ -58,14 +58,16 @@ class RoundLog:
 
     def __init__(self, stage, position, clock):
         self.stage, self.position, self.clock = stage, position, clock
-        self.compute, self.up, self.down, self.batch, self.measured, self.parts = {}, {}, {}, {}, {}, {}
+        self.compute, self.up, self.down, self.batch, self.parts = {}, {}, {}, {}, {}
         self.server_s = 0.0
         self.eval_s = None
         self.selection = {}  # "all" or a group -> the server's choice of gamma (criterion, grid, scores)
         self.chosen = {}     # cid -> a client's own choice (eps and its criterion)
+        self.dropped = {}    # cid -> why the client is not in this round's sums
+        self.transport = {}  # the transport's own measurements, recorded as they are
         self.up_bytes = self.down_bytes = 0
 
-    def arrived(self, cid, compute_s, up_bytes, measured_recv_s=None, parts=None):
+    def arrived(self, cid, compute_s, up_bytes, parts=None):
         """Client ``cid`` finished after ``compute_s`` and uploaded ``up_bytes``.
 
         ``parts`` (optional) splits ``compute_s``, e.g. forward / statistics / solve seconds.
@@ -75,8 +77,6 @@ class RoundLog:
         self.compute[cid] = compute_s
         self.up[cid] = self.clock.transfer(up_bytes)
         self.up_bytes += up_bytes
-        if measured_recv_s is not None:  # real receive time of an MPI transport
-            self.measured[cid] = measured_recv_s
 
     def sent(self, cid, down_bytes):
         """The server sent ``down_bytes`` to client ``cid``."""
@@ -94,7 +94,6 @@ class RoundLog:
                 "idle_s": latest - arrival[cid],
                 "arrival_s": arrival[cid],
                 **({"batch_size": self.batch[cid]} if cid in self.batch else {}),
-                **({"mpi_recv_s": self.measured[cid]} if cid in self.measured else {}),
                 **({"parts": self.parts[cid]} if cid in self.parts else {}),
                 **self.chosen.get(cid, {}),
             }
@@ -109,6 +108,8 @@ class RoundLog:
             "bytes_up": self.up_bytes,
             "bytes_down": self.down_bytes,
             **({"selection": {str(k): v for k, v in self.selection.items()}} if self.selection else {}),
+            **({"dropped": {str(cid): why for cid, why in sorted(self.dropped.items())}} if self.dropped else {}),
+            **({"transport": self.transport} if self.transport else {}),
             "clients": clients,
         }
 

@@ -1,19 +1,99 @@
 """How the server reaches its clients.
 
-The algorithms only call :meth:`Transport.call`: run a client method on a set
-of clients and receive the results *as they arrive*, so the server can fold
-each client's statistics into its sums and drop them (peak memory does not
-grow with the number of clients). :class:`InProcessTransport` runs the
-clients in this process, one after the other; the MPI transport runs them on
-other ranks.
+Two operations, both on a set of clients:
+
+* :meth:`Transport.call` runs a client method and yields each client's result
+  as it arrives (label summaries, weights, evaluation, personalization);
+* :meth:`Transport.sum` runs it and returns only the **sum over the clients**
+  of the named entries of the results (the statistics G, C, ...), with each
+  client's other entries (its scalars: sample count, busy time). The server
+  never asks for one client's statistics. :class:`InProcessTransport` folds
+  them as they come (peak memory does not grow with the clients); the MPI
+  transport sums each rank's clients on that rank and sends one message per
+  rank; an aggregation (:mod:`fedlayer.secure`) can mask every client's
+  entries so that only their sum can be decoded.
+
+A client whose method raises during :meth:`Transport.sum` is a *dropout*:
+left out of the sum and named in :attr:`Sum.dropped` with its error.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Iterator
 
-__all__ = ["Transport", "InProcessTransport", "overall_accuracy"]
+import numpy as np
+
+from .timing import payload_bytes
+
+__all__ = ["Transport", "InProcessTransport", "Sum", "PlainSum", "overall_accuracy", "fold"]
+
+
+@dataclass
+class Sum:
+    """What :meth:`Transport.sum` returns.
+
+    Attributes
+    ----------
+    totals : dict
+        key -> sum over the clients that answered (arrays in the requested
+        dtype, numbers as numbers); empty when none answered.
+    receipts : dict
+        cid -> that client's result without the summed entries.
+    up_bytes : dict
+        cid -> bytes of the client's summed entries as it uploads them.
+    dropped : dict
+        cid -> why the client is not in the sum.
+    transport : dict
+        The transport's own measurements (e.g. per MPI rank, bytes and
+        seconds rank 0 spent receiving); recorded as they are.
+    """
+
+    totals: dict = field(default_factory=dict)
+    receipts: dict = field(default_factory=dict)
+    up_bytes: dict = field(default_factory=dict)
+    dropped: dict = field(default_factory=dict)
+    transport: dict = field(default_factory=dict)
+
+
+def fold(totals, summed, dtype):
+    """Add the entries of ``summed`` into ``totals`` (arrays of float kind in ``dtype``); returns ``totals``.
+
+    Integer arrays (the secure aggregation's fixed-point words) keep their
+    dtype and wrap around, as modular sums must.
+    """
+    for key, value in summed.items():
+        if isinstance(value, np.ndarray):
+            if key not in totals:
+                totals[key] = np.zeros(value.shape, dtype=dtype if value.dtype.kind == "f" else value.dtype)
+            totals[key] += value
+        else:
+            totals[key] = totals.get(key, 0) + value
+    return totals
+
+
+class PlainSum:
+    """The aggregation without protection: a client's entries are summed as they are.
+
+    An aggregation has three hooks, run where the transport runs them:
+    ``encode(cid, context, summed)`` on the client side before its entries
+    leave it, ``decode(context, totals, survivors, dropped)`` on the server
+    side after the sum, and ``dtype`` for the sums. ``context`` identifies
+    the sum (round and group) so that masks are never reused.
+    """
+
+    secure = False
+
+    def encode(self, cid, context, summed):
+        return summed
+
+    def decode(self, context, totals, survivors, dropped):
+        return totals
+
+
+def _dropout_reason(err):
+    return f"{type(err).__name__}: {err}"
 
 
 class Transport(ABC):
@@ -32,8 +112,65 @@ class Transport(ABC):
         appears exactly once, or the call raises naming the failed clients.
         """
 
+    @abstractmethod
+    def sum(self, method: str, args: dict[int, dict], keys, *, dtype=np.float64, upper=(),
+            aggregation=None, context=None) -> Sum:
+        """Run ``client.method(**args[cid])`` for every cid and sum the entries ``keys`` of the results.
+
+        Parameters
+        ----------
+        method : str
+        args : dict cid -> keyword arguments
+        keys : sequence of str
+            Entries of each result that are summed (never seen per client).
+        dtype : float dtype of the summed arrays.
+        upper : sequence of str
+            Summed entries that are upper-triangular matrices (a transport may
+            move only their upper triangle).
+        aggregation : PlainSum or a secure aggregation, optional
+        context : hashable
+            Identifies this sum for the aggregation (e.g. (layer, group)).
+
+        Returns
+        -------
+        Sum
+        """
+
     def close(self):
         """Release the clients (and, for MPI, tell the ranks to stop)."""
+
+
+def client_side_sum(clients, method, args, keys, dtype, aggregation, context, hooks=None, done=None):
+    """Run and fold clients in this process: the rank-local part of a sum (in process: the whole sum).
+
+    Returns (totals, receipts, up_bytes, dropped). ``hooks(cid)`` (optional)
+    runs before each client (test fault injection on MPI ranks);
+    ``done(cid, receipt, up_bytes, dropped_reason)`` (optional) after each
+    (receipt and bytes None for a dropout, the reason None otherwise).
+    """
+    totals, receipts, up_bytes, dropped = {}, {}, {}, {}
+    for cid, kwargs in args.items():
+        try:
+            client = clients[cid]
+        except KeyError:
+            raise KeyError(f"no client with id {cid}") from None
+        try:
+            if hooks is not None:
+                hooks(cid)
+            result = getattr(client, method)(**kwargs)
+            summed = aggregation.encode(cid, context, {key: result[key] for key in keys if key in result})
+        except MemoryError:
+            raise
+        except Exception as err:
+            dropped[cid] = _dropout_reason(err)
+        else:
+            up_bytes[cid] = payload_bytes(summed)
+            receipts[cid] = {key: value for key, value in result.items() if key not in keys}
+            fold(totals, summed, dtype)
+            del result, summed
+        if done is not None:
+            done(cid, receipts.get(cid), up_bytes.get(cid), dropped.get(cid))
+    return totals, receipts, up_bytes, dropped
 
 
 class InProcessTransport(Transport):
@@ -53,6 +190,13 @@ class InProcessTransport(Transport):
             except KeyError:
                 raise KeyError(f"no client with id {cid}") from None
             yield cid, getattr(client, method)(**kwargs)
+
+    def sum(self, method, args, keys, *, dtype=np.float64, upper=(), aggregation=None, context=None):
+        aggregation = aggregation or PlainSum()
+        totals, receipts, up_bytes, dropped = client_side_sum(self._clients, method, args, keys, dtype,
+                                                              aggregation, context)
+        totals = aggregation.decode(context, totals, sorted(receipts), dropped) if receipts else {}
+        return Sum(totals, receipts, up_bytes, dropped)
 
     def client(self, cid):
         return self._clients[cid]

@@ -1,0 +1,150 @@
+"""The server's one question, the sum of statistics over clients: transports, dropouts, per-rank sums."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastls
+from fedlayer.client import Client, ClientDropout
+from fedlayer.federated import VARIANTS, AllClientsDropped, run_protocol
+from fedlayer.transport import InProcessTransport, PlainSum, Sum, fold
+from numeric_checks import assert_close
+from test_federated import N_CLASSES, client_data, dnn_config, make_data
+
+KEYS = ("G", "C", "zz", "rows")
+
+
+def make_clients(rng, n_clients, n=240, **options):
+    x, y = make_data(rng, n=n)
+    parts = np.array_split(rng.permutation(n), n_clients)
+    return [Client(i, client_data(x, y, p), dnn_config(x.shape[1]), seed=3, n_classes=N_CLASSES, **options)
+            for i, p in enumerate(parts)], x, y, parts
+
+
+def test_in_process_sum_is_the_sum_of_the_clients_statistics(rng):
+    clients, *_ = make_clients(rng, 5)
+    transport = InProcessTransport(clients)
+    args = {c.client_id: {"position": 0, "batch_size": 16, "target_moments": True} for c in clients}
+    outcome = transport.sum("local_stats", args, KEYS, upper=("G",))
+    assert isinstance(outcome, Sum) and not outcome.dropped
+    singles = [c.local_stats(0, 16, target_moments=True) for c in clients]
+    assert_close(outcome.totals["G"], sum(s["G"] for s in singles), np.float64, 240)
+    assert_close(outcome.totals["C"], sum(s["C"] for s in singles), np.float64, 240)
+    assert outcome.totals["rows"] == sum(s["rows"] for s in singles) == 240
+    # Receipts hold the scalars only; the statistics never come back per client.
+    for cid, receipt in outcome.receipts.items():
+        assert not set(receipt) & set(KEYS)
+        assert receipt["n"] == clients[cid].data.n_train
+        assert outcome.up_bytes[cid] == singles[cid]["G"].nbytes + singles[cid]["C"].nbytes + 16
+
+
+def test_fold_keeps_integer_words_wrapping():
+    totals = fold({}, {"w": np.array([2**63], dtype=np.uint64), "n": 3}, np.float64)
+    fold(totals, {"w": np.array([2**63 + 5], dtype=np.uint64), "n": 4}, np.float64)
+    assert totals["w"].dtype == np.uint64 and int(totals["w"][0]) == 5 and totals["n"] == 7
+
+
+class FailsOn:
+    """A client that raises in local_stats for the listed layers (a crash, not a simulated dropout)."""
+
+    def __init__(self, client, positions):
+        self.client, self.positions, self.client_id = client, positions, client.client_id
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def local_stats(self, position, *args, **kwargs):
+        if position in self.positions:
+            raise OSError(f"disk of client {self.client_id} failed")
+        return self.client.local_stats(position, *args, **kwargs)
+
+
+def survivors_reference(clients, outcome, n_layers, gamma=100.0):
+    """Each layer's weights solved on the sums of the clients that did not drop out of it, with the trained
+    weights of the earlier layers (centralized ACnnL on the survivors' data)."""
+    reference = []
+    for position in range(n_layers):
+        dropped = {int(cid) for cid in outcome["rounds"][position].get("dropped", {})}
+        G = C = None
+        for client in clients:
+            if client.client_id in dropped:
+                continue
+            for earlier in range(position):
+                client.set_weights(earlier, outcome["group_weights"][0][earlier])
+            stats = client.local_stats(position, 10**6)
+            G = stats["G"] if G is None else G + stats["G"]
+            C = stats["C"] if C is None else C + stats["C"]
+        bases = clients[0].bases
+        reference.append(fastls.ridge_solve(G, C, gamma, rhs_basis=bases[position] if bases else None))
+    return reference
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**31), n_clients=st.integers(3, 8), probability=st.sampled_from([0.2, 0.4]))
+def test_dropouts_leave_the_weights_of_centralized_acnnl_on_the_survivors(seed, n_clients, probability):
+    rng = np.random.default_rng(seed)
+    clients, *_ = make_clients(rng, n_clients, drop_probability=probability)
+    n_layers = 3
+    try:
+        outcome = run_protocol(InProcessTransport(clients), n_layers, VARIANTS["fedacnnl"], batch_size=7)
+    except AllClientsDropped:
+        return  # every client failed in some layer: nothing to compare (the error is tested below)
+    plain, *_ = make_clients(np.random.default_rng(seed), n_clients)  # same data, no simulated failures
+    for W, R in zip(outcome["group_weights"][0], survivors_reference(plain, outcome, n_layers), strict=True):
+        assert_close(W, R, np.float64, rtol=1e-9)
+    for record in outcome["rounds"]:
+        assert set(record["clients"]).isdisjoint(record.get("dropped", {}))
+        assert len(record["clients"]) + len(record.get("dropped", {})) == n_clients
+
+
+def test_a_crashing_client_drops_out_of_its_rounds_only(rng):
+    clients, *_ = make_clients(rng, 4)
+    clients[2] = FailsOn(clients[2], positions={1})
+    outcome = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], batch_size=7)
+    rounds = outcome["rounds"]
+    assert "dropped" not in rounds[0] and "dropped" not in rounds[2]
+    assert rounds[1]["dropped"] == {"2": "OSError: disk of client 2 failed"}
+    assert "2" not in rounds[1]["clients"] and "2" in rounds[2]["clients"]
+    # It still received the layer's weights and is evaluated with everyone.
+    assert 0.0 < outcome["accuracy"] <= 1.0
+
+
+def test_simulated_dropouts_are_seeded_and_hit_the_given_fraction(rng):
+    clients, *_ = make_clients(rng, 6, drop_probability=0.3)
+    draws = {c.client_id: [_drops(c, 0, r) for r in range(60)] for c in clients}
+    again, *_ = make_clients(np.random.default_rng(0), 6, drop_probability=0.3)  # other data, same seed
+    assert draws == {c.client_id: [_drops(c, 0, r) for r in range(60)] for c in again}
+    fraction = np.mean([d for per_client in draws.values() for d in per_client])
+    assert 0.2 < fraction < 0.4  # 360 draws of p = 0.3: 4.5 standard deviations either side
+
+
+def _drops(client, position, round_index):
+    try:
+        client.local_stats(position, 64, round_index=round_index)
+    except ClientDropout as err:
+        assert f"client {client.client_id}: simulated failure in layer {position + 1}" in str(err)
+        return True
+    return False
+
+
+def test_missing_the_round_deadline_is_a_dropout(rng):
+    clients, *_ = make_clients(rng, 3, round_deadline_s=1e-9)
+    with pytest.raises(ClientDropout, match=r"client 0: busy .* s in layer 1, past the round deadline of 1e-09 s"):
+        clients[0].local_stats(0, 64)
+    with pytest.raises(AllClientsDropped, match=r"every client of group 0 dropped out of layer 1 \(3: \[0, 1, 2\]\)"):
+        run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"])
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, 1.5])
+def test_drop_probability_out_of_range_is_refused(rng, bad):
+    x, y = make_data(rng, n=20)
+    with pytest.raises(ValueError, match=r"drop_probability must be in \[0, 1\)"):
+        Client(0, client_data(x, y, np.arange(20)), dnn_config(12), seed=0, n_classes=N_CLASSES,
+               drop_probability=bad)
+
+
+def test_plain_sum_passes_entries_through():
+    summed = {"G": np.ones((2, 2))}
+    assert PlainSum().encode(0, (0, 0), summed) is summed
+    assert PlainSum().decode((0, 0), summed, [0], {}) is summed
