@@ -22,6 +22,7 @@ from .baselines import BASELINES, PERSONALIZED, BaselineClient, baseline_hyper, 
 from .baselines.models import MODEL_HIDDEN
 from .client import Client, target_bases
 from .federated import VARIANTS, Variant, run_protocol
+from .secure import SecureServer
 
 __all__ = ["ALGORITHMS", "Algorithm", "AnalyticAlgorithm", "BaselineAlgorithm", "Outcome"]
 
@@ -103,13 +104,17 @@ class AnalyticAlgorithm(Algorithm):
                                  f"{self.name!r} trains one round per layer and takes no {key}")
         if self.variant.cluster and config.groups > config.clients:
             raise ValueError(f"groups (K={config.groups}) cannot exceed the number of clients ({config.clients})")
+        if config.secure and not self.centralized and config.clients < config.min_group_size:
+            raise ValueError(f"secure sums need at least min_group_size={config.min_group_size} clients (a sum over "
+                             f"fewer reveals too much of each), got clients={config.clients}")
 
     def make_client(self, cid, data, config, n_classes, model_config, cores):
         # Activations too large for RAM go under the run's output folder (else a temporary one).
         cache_dir = Path(config.output) / "activations" if config.output else None
         return Client(cid, data, model_config, config.seed, n_classes, cores, np.float64, cache_dir=cache_dir,
                       conv_targets=config.conv_targets, eps_criterion=config.eps_criterion,
-                      drop_probability=config.drop_clients, round_deadline_s=config.round_deadline)
+                      drop_probability=config.drop_clients, round_deadline_s=config.round_deadline,
+                      h_noise=config.h_noise)
 
     def train(self, config, transport, model, clock, progress):
         resume_state = None
@@ -126,6 +131,7 @@ class AnalyticAlgorithm(Algorithm):
             groups=config.groups, seed=config.seed, batch_size=config.batch_size,
             max_batch_size=config.max_batch_size, clock=clock, progress=progress, checkpoint=checkpoint,
             resume=resume_state, fingerprint=config.fingerprint(), target_bases=target_bases(model, config.seed, config.conv_targets),
+            secure=SecureServer(config.seed, min_group_size=config.min_group_size) if config.secure else None,
         )
         group_of = {int(cid): k for cid, k in outcome["groups"].items()}
         group_weights = outcome["group_weights"]
@@ -142,6 +148,7 @@ class AnalyticAlgorithm(Algorithm):
         return Outcome(
             rounds=outcome["rounds"], accuracy=outcome["accuracy"],
             results={"groups": outcome["groups"],
+                     **({"secure": outcome["secure"]} if "secure" in outcome else {}),
                      "resumed_from_layer": resume_state["layers_done"] if resume_state else None},
             in_memory={"group_weights": group_weights}, files=files,
         )
@@ -169,9 +176,9 @@ class BaselineAlgorithm(Algorithm):
 
     def check_config(self, config):
         check_param("model", config.model, [Options(*MODEL_HIDDEN)])
-        if config.drop_clients or config.round_deadline is not None:
-            raise ValueError(f"drop_clients and round_deadline apply to the analytic methods; {self.name!r} "
-                             f"takes neither")
+        if config.drop_clients or config.round_deadline is not None or config.secure or config.h_noise:
+            raise ValueError(f"drop_clients, round_deadline, secure and h_noise apply to the analytic methods; "
+                             f"{self.name!r} takes none of them")
         baseline_hyper(self.name, config.dataset, config.model, **(config.hyper or {}))  # names unknown keys
 
     def make_client(self, cid, data, config, n_classes, model_config, cores):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -229,7 +230,7 @@ class Client:
     def __init__(self, client_id, data: ClientData, model_config, seed, n_classes, cores=1,
                  stat_dtype=np.float64, scratch_bytes=CLIENT_SCRATCH_BYTES, cache_dir=None,
                  cache_ram_bytes=16 * 2**20, conv_targets="position", eps_criterion="loo", drop_probability=0.0,
-                 round_deadline_s=None):
+                 round_deadline_s=None, h_noise=0.0):
         self.client_id = int(client_id)
         self.data = data
         self.model = Model.from_config(model_config)
@@ -247,6 +248,9 @@ class Client:
             raise ValueError(f"drop_probability must be in [0, 1), got {drop_probability!r}")
         self.drop_probability = float(drop_probability)
         self.round_deadline_s = None if round_deadline_s is None else float(round_deadline_s)
+        if not h_noise >= 0:
+            raise ValueError(f"h_noise must be >= 0, got {h_noise!r}")
+        self.h_noise = float(h_noise)
         self.encoders = label_encoders(self.seed, self.n_classes, encoder_widths(self.model, conv_targets))
         self.bases = target_bases(self.model, self.seed, conv_targets)
         self.meta_weights = {}  # position -> the group's meta-model weights, kept for personalization
@@ -438,9 +442,18 @@ class Client:
 
     # -- methods the server calls -------------------------------------------
     def label_summary(self):
-        """h_i = (mean label vector of the local training set) Q_enc (eq. 9)."""
+        """h_i = (mean label vector of the local training set) Q_enc (eq. 9), plus N(0, h_noise^2) noise.
+
+        h_i travels in the clear and tells the server the client's label mix;
+        the noise (from the operating system's randomness, not the run's seed:
+        the server knows the seed) blurs it at the cost of worse groups.
+        """
         Y = one_hot(self.data.y_train, self.n_classes, dtype=np.float64)
-        return {"h": Y.mean(axis=0) @ encoder_for_clustering(self.encoders, self.n_classes)}
+        h = Y.mean(axis=0) @ encoder_for_clustering(self.encoders, self.n_classes)
+        if self.h_noise:
+            noise = np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
+            h = h + noise.normal(0.0, self.h_noise, size=h.shape)
+        return {"h": h}
 
     def local_stats(self, position, batch_size, round_index=0, target_moments=False):
         """Local computation of one round: the two items uploaded to the server.
@@ -470,6 +483,63 @@ class Client:
                                 f"round deadline of {self.round_deadline_s:g} s")
         return {**upload, "n": self.data.n_train, "compute_s": compute_s,
                 "parts": {"forward_s": forward_s, "stats_s": stats_s}}
+
+    # -- secure sums (fedlayer.secure): the client's half of the protocol ------
+    def secure_keys(self):
+        """Start the secure protocol: a fresh X25519 key pair; returns the public key."""
+        from .secure import SecureClientState
+
+        self._secure = SecureClientState(self.client_id)
+        self._secure_pending = {}
+        return {"public": self._secure.public_key()}
+
+    def secure_neighbours(self, public_keys):
+        """The neighbours' public keys (cid -> bytes); returns this client's key shares, encrypted per neighbour."""
+        return {"shares": self._secure.set_neighbours(public_keys)}
+
+    def secure_receive(self, shares):
+        """Encrypted shares addressed to this client (sender cid -> bytes), relayed by the server."""
+        start = time.perf_counter()
+        self._secure.receive_shares(shares)
+        return {"compute_s": time.perf_counter() - start}
+
+    def secure_bound(self, position, batch_size, round_index=0, target_moments=False):
+        """First half of a secure sum: compute the statistics, keep them, declare their magnitude exponent.
+
+        Returns the exponent (the power of two above the largest statistic),
+        the sample count and the busy time; the statistics stay here until
+        :meth:`secure_upload` masks them.
+        """
+        from .secure import magnitude_exponent
+
+        result = self.local_stats(position, batch_size, round_index, target_moments)
+        kept = {key: result.pop(key) for key in ("G", "C", "zz", "rows") if key in result}
+        self._secure_pending[position] = kept
+        return {**result, "exponent": magnitude_exponent([np.asarray(v, dtype=np.float64) for v in kept.values()])}
+
+    def secure_self_mask(self, context):
+        """A fresh self mask for the sum ``context``; returns its shares, encrypted per neighbour."""
+        start = time.perf_counter()
+        shares = self._secure.new_self_mask(context)
+        return {"shares": shares, "compute_s": time.perf_counter() - start}
+
+    def secure_upload(self, position, context, frac_bits, n_terms, members):
+        """Second half: the kept statistics in fixed point, masked (only their sum over ``members`` decodes)."""
+        from .secure import FixedPoint
+
+        start = time.perf_counter()
+        kept = self._secure_pending.pop(position)
+        code = FixedPoint(frac_bits, n_terms)
+        words = {key: code.encode(np.asarray(value, dtype=np.float64), f"client {self.client_id} {key}")
+                 for key, value in kept.items()}
+        masked = self._secure.mask(context, words, members)
+        return {**masked, "compute_s": time.perf_counter() - start}
+
+    def secure_reveal(self, context, dropped, survivors):
+        """Shares for unmasking the sum ``context``: keys of dropped neighbours, self masks of surviving ones."""
+        start = time.perf_counter()
+        shares = self._secure.reveal(context, set(dropped), set(survivors))
+        return {"shares": shares, "compute_s": time.perf_counter() - start}
 
     def set_weights(self, position, weights):
         """Replace layer ``position`` by the (group's) trained weights."""

@@ -95,6 +95,29 @@ def _cluster(summaries, n_groups, seed):
     return {cid: int(label) for cid, label in zip(cids, labels)}
 
 
+def merge_small_groups(group_of, summaries, min_size):
+    """Merge every group of fewer than ``min_size`` clients into the group with the nearest centroid.
+
+    A secure sum over one client would be that client's statistics: groups
+    below the minimum size join the group whose mean h is closest to theirs
+    (smallest group first, until none is below the size or one group is
+    left). Groups are renumbered 0..K'-1 in order of their first member.
+    """
+    groups = {}
+    for cid, k in group_of.items():
+        groups.setdefault(k, []).append(cid)
+    while len(groups) > 1:
+        small = min(groups, key=lambda k: (len(groups[k]), k))
+        if len(groups[small]) >= min_size:
+            break
+        centroid = {k: np.mean([summaries[c] for c in members], axis=0) for k, members in groups.items()}
+        nearest = min((k for k in groups if k != small),
+                      key=lambda k: (float(np.sum((centroid[k] - centroid[small]) ** 2)), k))
+        groups[nearest] += groups.pop(small)
+    order = sorted(groups, key=lambda k: min(groups[k]))
+    return {cid: new for new, k in enumerate(order) for cid in groups[k]}
+
+
 def _timed_accuracy(log, transport):
     """Overall test accuracy, its seconds kept in the round's log (evaluation is not training time)."""
     start = time.perf_counter()
@@ -110,10 +133,89 @@ def _gcv_choice(G, C, zz, rows, basis):
     return gamma, path, {"gamma": gamma, "criterion": "gcv", "grid": grid.tolist(), "scores": scores.tolist()}
 
 
+def _secure_setup(transport, secure, group_of):
+    """Keys and their shares, once per run: public keys up, the SecAgg+ graph per group, shares relayed.
+
+    Returns the bytes the clients uploaded for it (public keys and encrypted key shares).
+    """
+    publics = {cid: result["public"] for cid, result in transport.call("secure_keys", {cid: {} for cid in group_of})}
+    groups = {}
+    for cid, k in group_of.items():
+        groups.setdefault(k, []).append(cid)
+    graph = secure.plan(groups)
+    secure.public = publics
+    outgoing = {cid: result["shares"] for cid, result in transport.call(
+        "secure_neighbours", {cid: {"public_keys": {nb: publics[nb] for nb in graph[cid]}} for cid in group_of})}
+    incoming = secure.route(outgoing)
+    for _ in transport.call("secure_receive", {cid: {"shares": incoming.get(cid, {})} for cid in group_of}):
+        pass
+    return sum(len(blob) for shares in outgoing.values() for blob in shares.values()) + 32 * len(publics)
+
+
+def _secure_sum(transport, secure, args, context, stat_dtype):
+    """A group's sums by the secure protocol (fedlayer.secure); returns a Sum with float totals.
+
+    1. each client computes its statistics and declares their magnitude exponent
+       (a client that fails here has not masked anything: it simply drops out);
+    2. the server fixes the fixed-point scale; the remaining clients share a
+       fresh self mask with their neighbours and upload masked words;
+    3. the survivors reveal the shares the server needs to remove the masks.
+    """
+    from .secure import FixedPoint, fraction_bits
+    from .transport import Sum
+
+    bound = transport.sum("secure_bound", args, ())
+    alive = sorted(bound.receipts)
+    if not alive:
+        return Sum({}, {}, {}, bound.dropped)
+    frac_bits = fraction_bits([bound.receipts[c]["exponent"] for c in alive], len(alive))
+    protocol_s = dict.fromkeys(alive, 0.0)  # each client's time in the protocol's own steps
+    outgoing = {}
+    for cid, r in transport.call("secure_self_mask", {c: {"context": context} for c in alive}):
+        outgoing[cid] = r["shares"]
+        protocol_s[cid] += r["compute_s"]
+    incoming = secure.route(outgoing)
+    for cid, r in transport.call("secure_receive", {c: {"shares": incoming.get(c, {})} for c in alive}):
+        protocol_s[cid] += r["compute_s"]
+    position = args[alive[0]]["position"]
+    upload = transport.sum("secure_upload", {c: {"position": position, "context": context, "frac_bits": frac_bits,
+                                                 "n_terms": len(alive), "members": alive} for c in alive},
+                           UPLOADED, dtype=np.uint64)
+    survivors, dropped = sorted(upload.receipts), sorted(upload.dropped)
+    outcome = Sum({}, {}, {}, {**bound.dropped, **upload.dropped}, upload.transport)
+    if not survivors:
+        return outcome
+    revealed = {}
+    for cid, r in transport.call("secure_reveal", {c: {"context": context, "dropped": dropped, "survivors": survivors}
+                                                   for c in survivors}):
+        revealed[cid] = r["shares"]
+        protocol_s[cid] += r["compute_s"]
+    words = secure.unmask(context, upload.totals, survivors, dropped, revealed, secure.public)
+    code = FixedPoint(frac_bits, len(alive))
+    totals = {key: code.decode(w) for key, w in words.items()}
+    totals = {key: (value.astype(stat_dtype) if value.ndim else float(value)) for key, value in totals.items()}
+    if "rows" in totals:
+        totals["rows"] = int(round(totals["rows"]))
+    outcome.totals = totals
+    for cid in survivors:
+        receipt = dict(bound.receipts[cid])
+        receipt["compute_s"] += upload.receipts[cid]["compute_s"] + protocol_s[cid]
+        receipt["frac_bits"] = frac_bits
+        outcome.receipts[cid] = receipt
+        # The masked words, plus the protocol's own messages: the self-mask shares it sent and the shares it revealed.
+        outcome.up_bytes[cid] = (upload.up_bytes[cid] + sum(len(blob) for blob in outgoing[cid].values())
+                                 + _SHARE_BYTES * len(revealed.get(cid, {})))
+    return outcome
+
+
+# A revealed Shamir share on the wire: its x (8 bytes), y in GF(2^521 - 1) (66 bytes) and what it is of (8 bytes).
+_SHARE_BYTES = 82
+
+
 def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500.0, groups=10, seed=0,
                  batch_size=64, max_batch_size=1024, clock=Clock(), stat_dtype=np.float64, progress=None,
                  checkpoint=None, resume=None, fingerprint=None, target_bases=None, gamma_scope="all",
-                 aggregation=None):
+                 secure=None):
     """Run one algorithm over ``transport``'s clients; returns the results record.
 
     Parameters
@@ -155,10 +257,11 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         the n_classes columns of C Q_l^+ instead of the d_l columns of C
         (:func:`fastls.ridge_solve`'s ``rhs_basis``): the same weights.
 
-    aggregation : fedlayer.transport.PlainSum or a secure aggregation, optional
-        How the transport sums the clients' statistics (default: as they are).
-        A client whose ``local_stats`` raises drops out of that round: the
-        layer is solved on the others' sums and the round records it.
+    secure : fedlayer.secure.SecureServer or None
+        Sum the statistics by the secure protocol (pairwise masks, fixed
+        point; groups below ``secure.min_group_size`` merge first). A client
+        whose statistics raise drops out of that round either way: the layer
+        is solved on the others' sums and the round records it.
 
     Returns
     -------
@@ -186,11 +289,17 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
             init.arrived(cid, 0.0, payload_bytes(result))
         start = time.perf_counter()
         group_of = _cluster(summaries, groups, seed)
+        if secure is not None:
+            group_of = merge_small_groups(group_of, summaries, secure.min_group_size)
         init.server_s = time.perf_counter() - start
         rounds.append(init.record(None))
     else:
         group_of = {cid: 0 for cid in cids}
     n_groups = max(group_of.values()) + 1
+    secure_record = None
+    if secure is not None:
+        secure_record = {"setup_bytes": _secure_setup(transport, secure, group_of),
+                         "neighbours": {str(cid): len(nb) for cid, nb in sorted(secure.graph.items())}}
     pooled_gamma = auto_gamma and gamma_scope == "all" and n_groups > 1
 
     # -- federated optimization stage ---------------------------------------
@@ -227,8 +336,10 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
             args = {cid: {"position": position, "batch_size": batch[cid], "round_index": position,
                           **({"target_moments": True} if auto_gamma else {})} for cid in members}
             # The transport returns the group's sums only (never one client's statistics).
-            outcome = transport.sum("local_stats", args, UPLOADED, dtype=stat_dtype, upper=("G",),
-                                    aggregation=aggregation, context=(position, k))
+            if secure is not None:
+                outcome = _secure_sum(transport, secure, args, (position, k), stat_dtype)
+            else:
+                outcome = transport.sum("local_stats", args, UPLOADED, dtype=stat_dtype, upper=("G",))
             for cid, receipt in outcome.receipts.items():
                 log.arrived(cid, receipt["compute_s"], outcome.up_bytes[cid], parts=receipt.get("parts"))
             log.dropped.update(outcome.dropped)
@@ -305,6 +416,7 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
 
     return {
         "groups": {str(cid): k for cid, k in group_of.items()},
+        **({"secure": secure_record} if secure_record else {}),
         "rounds": rounds,
         "group_weights": group_weights,
         "accuracy": rounds[-1]["accuracy"],

@@ -15,7 +15,7 @@ Protocol (all on ``COMM_WORLD``):
 * worker -> rank 0, tag ``TAG_RESULT``: for a ``call``, per client, as soon as
   it finishes, a pickled header (result skeleton, shapes, dtypes, scalars)
   followed by the raw buffers (``Send``, tag ``TAG_DATA``). For a ``sum``
-  (``{"op": "sum", ..., "keys", "dtype", "upper", "aggregation", "context"}``),
+  (``{"op": "sum", ..., "keys", "dtype", "packed_keys"}``),
   per client a small ``receipt`` (its other entries) or ``dropped`` (its
   error), and after the rank's last client one ``partial``: the rank's own
   sum of its clients' entries, sent without blocking (the rank goes on to its
@@ -48,7 +48,7 @@ import traceback
 
 import numpy as np
 
-from .transport import PlainSum, Sum, Transport, client_side_sum, fold
+from .transport import Sum, Transport, client_side_sum, fold
 
 __all__ = ["MPITransport", "serve", "report_startup_failure", "world", "hosting_rank", "CHUNK_BYTES"]
 
@@ -305,10 +305,8 @@ class MPITransport(Transport):
                 self._unexpected(source, header)
         self._reap_sends(wait=True)
 
-    def sum(self, method, args, keys, *, dtype=np.float64, upper=(), aggregation=None, context=None):
-        aggregation = aggregation or PlainSum()
-        extra = {"keys": list(keys), "dtype": np.dtype(dtype).str, "aggregation": aggregation, "context": context,
-                 "packed_keys": list(upper) if self.pack_upper else []}
+    def sum(self, method, args, keys, *, dtype=np.float64, upper=()):
+        extra = {"keys": list(keys), "dtype": np.dtype(dtype).str, "packed_keys": list(upper) if self.pack_upper else []}
         seq, pending = self._dispatch("sum", method, args, extra)
         busy = {r for r in self.workers if pending[r]}
         last = {r: time.monotonic() for r in busy}
@@ -340,9 +338,7 @@ class MPITransport(Transport):
                 outcome.receipts[cid] = header["result"]
                 outcome.up_bytes[cid] = header["nbytes"]
         self._reap_sends(wait=True)
-        if outcome.receipts:
-            outcome.totals = aggregation.decode(context, outcome.totals, sorted(outcome.receipts), outcome.dropped)
-        else:
+        if not outcome.receipts:
             outcome.totals = {}
         return outcome
 
@@ -536,8 +532,7 @@ def serve(comm, clients):
 
             try:
                 totals = client_side_sum(clients, method, args, command["keys"], np.dtype(command["dtype"]),
-                                         command["aggregation"], command["context"], hooks=_test_hooks,
-                                         done=report)[0]
+                                         hooks=_test_hooks, done=report)[0]
             except Exception as err:
                 error(None, method, err)
                 continue

@@ -73,6 +73,9 @@ CONFIG_CONSTRAINTS = {
     "hyper": [None, InstanceOf(dict, "a dict of hyperparameter names to numbers")],
     "drop_clients": [Interval(float, 0, 1, closed="left")],
     "round_deadline": [None] + _POSITIVE,
+    "secure": [Boolean()],
+    "min_group_size": [Interval(int, 2, None)],
+    "h_noise": [Interval(float, 0, None)],
 }
 
 #: The RunConfig keys that define the clients' data and its train/test split.
@@ -116,6 +119,9 @@ class RunConfig:
     hyper: dict | None = None    # baselines only: hyperparameter overrides, e.g. {"lr": 1e-4} (see BASELINES)
     drop_clients: float = 0.0    # analytic methods: chance that a client fails in a round (seeded; simulated)
     round_deadline: float | None = None  # analytic methods: a client busy longer (s) in a round drops out of it
+    secure: bool = False         # analytic methods: statistics summed by pairwise masking (fedlayer.secure)
+    min_group_size: int = 3      # with secure: smaller K-means groups merge into the nearest one
+    h_noise: float = 0.0         # std of Gaussian noise each client adds to its label summary h_i (eq. 9)
 
     def validate(self, where=""):
         """Check every value against :data:`CONFIG_CONSTRAINTS` and the algorithm's own rules.

@@ -10,8 +10,8 @@ Two operations, both on a set of clients:
   never asks for one client's statistics. :class:`InProcessTransport` folds
   them as they come (peak memory does not grow with the clients); the MPI
   transport sums each rank's clients on that rank and sends one message per
-  rank; an aggregation (:mod:`fedlayer.secure`) can mask every client's
-  entries so that only their sum can be decoded.
+  rank. The secure protocol (:mod:`fedlayer.secure`) runs on top of these
+  two operations: the clients mask their entries, the transports sum words.
 
 A client whose method raises during :meth:`Transport.sum` is a *dropout*:
 left out of the sum and named in :attr:`Sum.dropped` with its error.
@@ -27,7 +27,7 @@ import numpy as np
 
 from .timing import payload_bytes
 
-__all__ = ["Transport", "InProcessTransport", "Sum", "PlainSum", "overall_accuracy", "fold"]
+__all__ = ["Transport", "InProcessTransport", "Sum", "overall_accuracy", "fold"]
 
 
 @dataclass
@@ -60,7 +60,7 @@ class Sum:
 def fold(totals, summed, dtype):
     """Add the entries of ``summed`` into ``totals`` (arrays of float kind in ``dtype``); returns ``totals``.
 
-    Integer arrays (the secure aggregation's fixed-point words) keep their
+    Integer arrays (the secure protocol's fixed-point words) keep their
     dtype and wrap around, as modular sums must.
     """
     for key, value in summed.items():
@@ -71,25 +71,6 @@ def fold(totals, summed, dtype):
         else:
             totals[key] = totals.get(key, 0) + value
     return totals
-
-
-class PlainSum:
-    """The aggregation without protection: a client's entries are summed as they are.
-
-    An aggregation has three hooks, run where the transport runs them:
-    ``encode(cid, context, summed)`` on the client side before its entries
-    leave it, ``decode(context, totals, survivors, dropped)`` on the server
-    side after the sum, and ``dtype`` for the sums. ``context`` identifies
-    the sum (round and group) so that masks are never reused.
-    """
-
-    secure = False
-
-    def encode(self, cid, context, summed):
-        return summed
-
-    def decode(self, context, totals, survivors, dropped):
-        return totals
 
 
 def _dropout_reason(err):
@@ -113,8 +94,7 @@ class Transport(ABC):
         """
 
     @abstractmethod
-    def sum(self, method: str, args: dict[int, dict], keys, *, dtype=np.float64, upper=(),
-            aggregation=None, context=None) -> Sum:
+    def sum(self, method: str, args: dict[int, dict], keys, *, dtype=np.float64, upper=()) -> Sum:
         """Run ``client.method(**args[cid])`` for every cid and sum the entries ``keys`` of the results.
 
         Parameters
@@ -127,9 +107,6 @@ class Transport(ABC):
         upper : sequence of str
             Summed entries that are upper-triangular matrices (a transport may
             move only their upper triangle).
-        aggregation : PlainSum or a secure aggregation, optional
-        context : hashable
-            Identifies this sum for the aggregation (e.g. (layer, group)).
 
         Returns
         -------
@@ -140,7 +117,7 @@ class Transport(ABC):
         """Release the clients (and, for MPI, tell the ranks to stop)."""
 
 
-def client_side_sum(clients, method, args, keys, dtype, aggregation, context, hooks=None, done=None):
+def client_side_sum(clients, method, args, keys, dtype, hooks=None, done=None):
     """Run and fold clients in this process: the rank-local part of a sum (in process: the whole sum).
 
     Returns (totals, receipts, up_bytes, dropped). ``hooks(cid)`` (optional)
@@ -158,7 +135,7 @@ def client_side_sum(clients, method, args, keys, dtype, aggregation, context, ho
             if hooks is not None:
                 hooks(cid)
             result = getattr(client, method)(**kwargs)
-            summed = aggregation.encode(cid, context, {key: result[key] for key in keys if key in result})
+            summed = {key: result[key] for key in keys if key in result}
         except MemoryError:
             raise
         except Exception as err:
@@ -191,12 +168,9 @@ class InProcessTransport(Transport):
                 raise KeyError(f"no client with id {cid}") from None
             yield cid, getattr(client, method)(**kwargs)
 
-    def sum(self, method, args, keys, *, dtype=np.float64, upper=(), aggregation=None, context=None):
-        aggregation = aggregation or PlainSum()
-        totals, receipts, up_bytes, dropped = client_side_sum(self._clients, method, args, keys, dtype,
-                                                              aggregation, context)
-        totals = aggregation.decode(context, totals, sorted(receipts), dropped) if receipts else {}
-        return Sum(totals, receipts, up_bytes, dropped)
+    def sum(self, method, args, keys, *, dtype=np.float64, upper=()):
+        totals, receipts, up_bytes, dropped = client_side_sum(self._clients, method, args, keys, dtype)
+        return Sum(totals if receipts else {}, receipts, up_bytes, dropped)
 
     def client(self, cid):
         return self._clients[cid]

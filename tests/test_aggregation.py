@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import fastls
 from fedlayer.client import Client, ClientDropout
 from fedlayer.federated import VARIANTS, AllClientsDropped, run_protocol
-from fedlayer.transport import InProcessTransport, PlainSum, Sum, fold
+from fedlayer.transport import InProcessTransport, Sum, fold
 from numeric_checks import assert_close
 from test_federated import N_CLASSES, client_data, dnn_config, make_data
 
@@ -142,9 +142,3 @@ def test_drop_probability_out_of_range_is_refused(rng, bad):
     with pytest.raises(ValueError, match=r"drop_probability must be in \[0, 1\)"):
         Client(0, client_data(x, y, np.arange(20)), dnn_config(12), seed=0, n_classes=N_CLASSES,
                drop_probability=bad)
-
-
-def test_plain_sum_passes_entries_through():
-    summed = {"G": np.ones((2, 2))}
-    assert PlainSum().encode(0, (0, 0), summed) is summed
-    assert PlainSum().decode((0, 0), summed, [0], {}) is summed

@@ -55,6 +55,8 @@ def _models(out):
     ("pfedacnnl", {"FEDLAYER_MPI_PACK_UPPER": "1", "FEDLAYER_MPI_CHUNK_BYTES": "4096"}, []),
     # seeded dropouts: the same clients drop on their ranks as in process
     ("fedacnnl", {}, ["--drop-clients", "0.25"]),
+    # secure sums with dropouts: exact integer sums, so the same numbers as the secure run in process
+    ("pfedacnnl", {}, ["--secure", "--drop-clients", "0.1"]),
 ])
 def test_same_as_in_process(tmp_path, algorithm, extra_env, flags):
     reference = tmp_path / "inproc"

@@ -1,0 +1,447 @@
+"""Secure sums: the server learns the sum of the clients' statistics and nothing else of them.
+
+Pairwise additive masking (Bonawitz et al., CCS 2017) on SecAgg+'s sparse
+graph (Bell et al., CCS 2020): each client shares keys with k = O(log n)
+neighbours of its group instead of all of them, so the work grows as n log n.
+
+* **Encoding.** Statistics are float64; the clients encode them in fixed point
+  in Z_2^64 (NumPy's wrapping uint64 arithmetic, two's complement for
+  negatives) with ``frac_bits`` fractional bits. The server picks
+  ``frac_bits`` per sum from the clients' declared magnitude exponents and the
+  number of clients so that the sum cannot wrap (:func:`fraction_bits`); a
+  client whose values do not fit its share of the range raises, it never wraps.
+  Rounding costs at most 2^-(frac_bits+1) per client and entry
+  (:meth:`FixedPoint.error_bound`).
+* **Keys.** X25519 key agreement, HKDF-SHA256 per purpose and sum (masks,
+  share encryption), masks from a ChaCha20 keystream, shares encrypted with
+  ChaCha20-Poly1305 (all from the ``cryptography`` package; NumPy's
+  generators are not cryptographic and are never used for secrets).
+* **Masks.** Client i uploads x_i + PRG(b_i) + sum_{j in N(i), j > i} PRG(s_ij)
+  - sum_{j in N(i), j < i} PRG(s_ij): the pairwise masks cancel in the sum,
+  the self mask b_i (fresh per sum) is removed by the server with shares of
+  b_i from i's neighbours once i's upload has arrived.
+* **Dropouts.** Each client Shamir-shares its mask key among its neighbours
+  (threshold t = floor(k / 2) + 1). When client j drops out after sharing, its
+  surviving neighbours give the server their shares of j's key, and the server
+  removes the masks s_ij of j's neighbours i. A client answers for a neighbour
+  either with the share of its key (it dropped) or of its self mask (it
+  survived), never both, so the server never holds both for one client.
+
+What the server still learns: the sum per group (the protocol's output), each
+client's sample count and busy time (eq. 7 needs them), and each client's
+magnitude exponent per sum (an integer: the power of two above its largest
+statistic). The label summaries h_i used for clustering are not protected by
+this module (see ``docs/design.md``).
+
+The client side is :class:`SecureClientState` (held by each client, never by
+the server); the server side is :class:`SecureServer`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+
+import numpy as np
+
+__all__ = ["class_means_from_upload", "FixedPoint", "fraction_bits", "neighbour_graph", "threshold", "shamir_split", "shamir_combine",
+           "SecureClientState", "SecureServer", "PRIME", "SecureAggregationError"]
+
+#: Shamir shares live in GF(p) for the Mersenne prime 2^521 - 1 (any 32-byte secret fits).
+PRIME = 2**521 - 1
+_KEY_BYTES = 32
+
+
+class SecureAggregationError(RuntimeError):
+    """The secure sum cannot be completed (too few shares, a value out of range, a tampered share)."""
+
+
+def _crypto():
+    try:
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+        from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+    except ImportError as err:  # pragma: no cover - a dependency of the project
+        raise ImportError("secure aggregation needs the 'cryptography' package: pip install cryptography") from err
+    return hashes, X25519PrivateKey, X25519PublicKey, Cipher, algorithms, ChaCha20Poly1305, HKDF
+
+
+def class_means_from_upload(C, Q):
+    """What a server computes from one client's plain first-layer upload: its mean input per class.
+
+    C = X^T Z with X = [x, 1] and Z = Y Q (Q: n_classes x d_1, full row rank),
+    so X^T Y = C Q^+: column c holds the sum of the client's inputs of class
+    c, and its last (bias) row their count. Returns (means, counts), means of
+    shape (n_classes, d_0) (NaN rows for absent classes).
+    """
+    per_class = np.asarray(C, dtype=np.float64) @ np.linalg.pinv(np.asarray(Q, dtype=np.float64))
+    counts = per_class[-1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = (per_class[:-1] / np.where(np.abs(counts) > 0.5, counts, np.nan)).T
+    return means, counts
+
+
+# ---------------------------------------------------------------------------
+# Fixed point in Z_2^64
+# ---------------------------------------------------------------------------
+
+class FixedPoint:
+    """x -> round(x 2^frac_bits) mod 2^64, for sums of at most ``n_terms`` encoded arrays.
+
+    Parameters
+    ----------
+    frac_bits : int
+        Fractional bits of the encoding.
+    n_terms : int
+        Arrays that will be summed; each must stay below 2^63 / n_terms in
+        magnitude so that their sum cannot wrap.
+    """
+
+    def __init__(self, frac_bits, n_terms):
+        self.frac_bits = int(frac_bits)
+        self.n_terms = max(1, int(n_terms))
+        self.scale = float(2.0 ** self.frac_bits)
+        self.limit = float(2.0 ** 63 / self.n_terms) / self.scale  # largest |x| a term may hold
+
+    def encode(self, x, name="statistics"):
+        """float array -> uint64 words; raises when a value does not fit this term's share of the range."""
+        x = np.asarray(x, dtype=np.float64)
+        peak = float(np.abs(x).max(initial=0.0))
+        if not np.isfinite(peak) or peak >= self.limit:
+            raise SecureAggregationError(
+                f"{name}: largest magnitude {peak:.6g} does not fit the fixed-point range of this sum "
+                f"(|x| < {self.limit:.6g} with {self.frac_bits} fractional bits and {self.n_terms} clients); "
+                f"the value would wrap around 2^64")
+        return np.rint(x * self.scale).astype(np.int64).view(np.uint64)
+
+    def decode(self, words):
+        """uint64 words (a sum of encodings) -> float64."""
+        return np.asarray(words, dtype=np.uint64).view(np.int64).astype(np.float64) / self.scale
+
+    def error_bound(self):
+        """Largest |decoded sum - true sum| per entry: half a unit in the last place per term."""
+        return self.n_terms * 0.5 / self.scale
+
+
+def fraction_bits(exponents, n_terms, spare_bits=1):
+    """Fractional bits for a sum of ``n_terms`` arrays whose magnitudes stay below 2^exponents[i].
+
+    The sum's magnitude is below n_terms * 2^max(exponents); it must stay below
+    2^(63 - spare_bits). Raises when fewer than 8 fractional bits would remain.
+    """
+    top = max(exponents) if exponents else 0
+    bits = 63 - spare_bits - top - math.ceil(math.log2(max(1, n_terms)))
+    if bits < 8:
+        raise SecureAggregationError(
+            f"statistics up to 2^{top} summed over {n_terms} clients leave {bits} fractional bits in 64-bit "
+            f"fixed point (need at least 8)")
+    return min(bits, 52 + 8)
+
+
+def magnitude_exponent(arrays):
+    """Smallest e with every |value| < 2^e over ``arrays`` (what a client declares for the scale)."""
+    peak = max((float(np.abs(a).max(initial=0.0)) for a in arrays), default=0.0)
+    if not np.isfinite(peak):
+        raise SecureAggregationError("statistics hold NaN or Inf; they cannot be encoded")
+    return int(math.floor(math.log2(peak))) + 1 if peak > 0 else 0
+
+
+# ---------------------------------------------------------------------------
+# SecAgg+ neighbour graph and Shamir sharing
+# ---------------------------------------------------------------------------
+
+def neighbour_graph(cids, seed, degree=None):
+    """Each client's neighbours: a Harary graph (ring with k/2 nearest on each side) over a seeded permutation.
+
+    ``degree`` defaults to min(n - 1, 2 ceil(log2 n)) (even, at least 2 when n > 2),
+    so the masks and shares of a sum cost O(n log n).
+    """
+    cids = sorted(int(c) for c in cids)
+    n = len(cids)
+    if n <= 1:
+        return {cid: [] for cid in cids}
+    if degree is None:
+        degree = 2 * math.ceil(math.log2(n))
+    degree = min(n - 1, max(2, int(degree)))
+    # The graph is public (the server draws it), so a seeded NumPy permutation is fine here.
+    seeds = [int(v) for v in np.atleast_1d(seed)]
+    order = [cids[i] for i in np.random.default_rng([*seeds, 0x5EC]).permutation(n)]
+    position = {cid: i for i, cid in enumerate(order)}
+    graph = {}
+    half = degree // 2
+    for cid in cids:
+        i = position[cid]
+        near = {order[(i + step) % n] for step in range(1, half + 1)} | {order[(i - step) % n]
+                                                                       for step in range(1, half + 1)}
+        if degree % 2 and n % 2 == 0:
+            near.add(order[(i + n // 2) % n])
+        near.discard(cid)
+        graph[cid] = sorted(near)
+    return graph
+
+
+def threshold(degree):
+    """Shares needed to rebuild a secret of a client with ``degree`` neighbours: a strict majority."""
+    return degree // 2 + 1
+
+
+def shamir_split(secret, n_shares, t):
+    """``n_shares`` points (x, y) of a random degree t-1 polynomial over GF(PRIME) with f(0) = secret (bytes)."""
+    value = int.from_bytes(secret, "big")
+    coefficients = [value] + [secrets.randbelow(PRIME) for _ in range(t - 1)]
+    shares = []
+    for x in range(1, n_shares + 1):
+        y = 0
+        for c in reversed(coefficients):
+            y = (y * x + c) % PRIME
+        shares.append((x, y))
+    return shares
+
+
+def shamir_combine(shares, length=_KEY_BYTES):
+    """The secret (``length`` bytes) from at least t shares, by Lagrange interpolation at 0."""
+    secret = 0
+    for i, (xi, yi) in enumerate(shares):
+        num = den = 1
+        for j, (xj, _) in enumerate(shares):
+            if i != j:
+                num = num * (-xj) % PRIME
+                den = den * (xi - xj) % PRIME
+        secret = (secret + yi * num * pow(den, -1, PRIME)) % PRIME
+    if secret >= 2 ** (8 * length):
+        raise SecureAggregationError("shares do not rebuild a secret of the expected size (tampered or mixed)")
+    return secret.to_bytes(length, "big")
+
+
+# ---------------------------------------------------------------------------
+# Key derivation and keystreams
+# ---------------------------------------------------------------------------
+
+def _context_bytes(context):
+    return repr(context).encode()
+
+
+def _derive(shared, purpose, context=None):
+    hashes, _, _, _, _, _, HKDF = _crypto()
+    info = b"fedlayer " + purpose + (b" " + _context_bytes(context) if context is not None else b"")
+    return HKDF(algorithm=hashes.SHA256(), length=_KEY_BYTES, salt=None, info=info).derive(shared)
+
+
+def keystream_words(key, n_words):
+    """``n_words`` uint64 words of the ChaCha20 keystream under ``key`` (32 bytes), nonce 0."""
+    _, _, _, Cipher, algorithms, _, _ = _crypto()
+    encryptor = Cipher(algorithms.ChaCha20(key, b"\0" * 16), mode=None).encryptor()
+    raw = encryptor.update(bytes(8 * n_words))
+    return np.frombuffer(raw, dtype=np.uint64)
+
+
+def _mask_total(key_sign_pairs, n_words):
+    """sum of sign * PRG(key) over the pairs, in Z_2^64."""
+    total = np.zeros(n_words, dtype=np.uint64)
+    for key, sign in key_sign_pairs:
+        words = keystream_words(key, n_words)
+        if sign > 0:
+            total += words
+        else:
+            total -= words
+    return total
+
+
+def _layout(shapes):
+    """Offsets of each entry in the flat word vector (entries in sorted key order)."""
+    offsets, start = {}, 0
+    for key in sorted(shapes):
+        size = int(np.prod(shapes[key]))  # 1 for a 0-d entry (a scalar statistic)
+        offsets[key] = (start, start + size)
+        start += size
+    return offsets, start
+
+
+# ---------------------------------------------------------------------------
+# Client side
+# ---------------------------------------------------------------------------
+
+class SecureClientState:
+    """A client's secrets and the shares it holds for its neighbours; lives with the client only."""
+
+    def __init__(self, cid):
+        _, X25519PrivateKey, _, _, _, _, _ = _crypto()
+        self.cid = int(cid)
+        self._private = X25519PrivateKey.generate()
+        self._key_secret = self._private.private_bytes_raw()
+        self.neighbours = []
+        self._public = {}        # neighbour -> its public key bytes
+        self._held = {}          # (owner, what, context) -> (x, y) share it holds for the owner
+        self._self_masks = {}    # context -> b_i
+        self._answered = {}      # (owner, context) -> "key" or "self": what it revealed for the owner
+        self._agreed = {}        # neighbour -> X25519 shared secret (one exchange per pair and run)
+
+    def public_key(self):
+        return self._private.public_key().public_bytes_raw()
+
+    def _shared(self, other):
+        if other not in self._agreed:
+            _, _, X25519PublicKey, _, _, _, _ = _crypto()
+            self._agreed[other] = self._private.exchange(X25519PublicKey.from_public_bytes(self._public[other]))
+        return self._agreed[other]
+
+    def _aead(self, other):
+        _, _, _, _, _, ChaCha20Poly1305, _ = _crypto()
+        return ChaCha20Poly1305(_derive(self._shared(other), b"shares"))
+
+    def set_neighbours(self, public_keys):
+        """Neighbour -> public key; returns this client's key shares, encrypted per neighbour."""
+        self.neighbours = sorted(int(c) for c in public_keys)
+        self._public = {int(c): bytes(k) for c, k in public_keys.items()}
+        self._agreed = {}
+        return self._encrypted_shares(self._key_secret, "key", None)
+
+    def _encrypted_shares(self, secret, what, context):
+        t = threshold(len(self.neighbours))
+        shares = shamir_split(secret, len(self.neighbours), t)
+        out = {}
+        for other, (x, y) in zip(self.neighbours, shares):
+            nonce = os.urandom(12)
+            plain = repr((self.cid, other, what, context, x, y)).encode()
+            out[other] = nonce + self._aead(other).encrypt(nonce, plain, None)
+        return out
+
+    def receive_shares(self, ciphertexts):
+        """Sender -> ciphertext addressed to this client: decrypted and kept."""
+        import ast
+
+        for sender, blob in ciphertexts.items():
+            sender = int(sender)
+            if sender not in self._public:
+                raise SecureAggregationError(f"client {self.cid}: share from {sender}, which is not a neighbour")
+            try:
+                plain = self._aead(sender).decrypt(blob[:12], blob[12:], None)
+            except Exception as err:
+                raise SecureAggregationError(f"client {self.cid}: the share from client {sender} does not "
+                                             f"authenticate ({type(err).__name__})") from None
+            owner, to, what, context, x, y = ast.literal_eval(plain.decode())
+            if owner != sender or to != self.cid:
+                raise SecureAggregationError(f"client {self.cid}: a share from {sender} names {owner} -> {to}")
+            self._held[(owner, what, context)] = (x, y)
+
+    def new_self_mask(self, context):
+        """A fresh self mask for sum ``context``; returns its shares, encrypted per neighbour."""
+        self._self_masks[context] = secrets.token_bytes(_KEY_BYTES)
+        return self._encrypted_shares(self._self_masks[context], "self", context)
+
+    def mask(self, context, words_by_key, members):
+        """The encoded entries plus the self mask and the pairwise masks with the neighbours in ``members``."""
+        shapes = {key: np.shape(w) for key, w in words_by_key.items()}
+        offsets, n_words = _layout(shapes)
+        flat = np.empty(n_words, dtype=np.uint64)
+        for key, (a, b) in offsets.items():
+            flat[a:b] = np.asarray(words_by_key[key], dtype=np.uint64).reshape(-1)
+        pairs = [(_derive(self._self_masks.pop(context), b"self mask", context), +1)]
+        members = set(members)
+        for other in self.neighbours:
+            if other in members:
+                pairs.append((_derive(self._shared(other), b"mask", context), +1 if other > self.cid else -1))
+        flat += _mask_total(pairs, n_words)
+        return {key: flat[a:b].reshape(shapes[key]) for key, (a, b) in offsets.items()}
+
+    def reveal(self, context, dropped, survivors):
+        """Shares for the server: of the key of each dropped neighbour, of the self mask of each surviving one."""
+        out = {}
+        for owner in self.neighbours:
+            if owner in dropped:
+                what, share_context = "key", None
+            elif owner in survivors:
+                what, share_context = "self", context
+            else:
+                continue
+            if self._answered.setdefault((owner, context), what) != what:
+                raise SecureAggregationError(f"client {self.cid}: the server asked for both secrets of client "
+                                             f"{owner} in sum {context}; refused")
+            share = self._held.get((owner, what, share_context))
+            if share is not None:
+                out[owner] = (what, share)
+        return out
+
+
+# ---------------------------------------------------------------------------
+# Server side
+# ---------------------------------------------------------------------------
+
+class SecureServer:
+    """What the server does for a secure sum: graph, routing of encrypted shares, unmasking.
+
+    It only ever holds public keys, ciphertexts it cannot read, the masked
+    sums, and (after a sum) the shares the survivors reveal.
+    """
+
+    def __init__(self, seed, degree=None, min_group_size=3):
+        self.seed = int(seed)
+        self.degree = degree
+        self.min_group_size = int(min_group_size)
+        self.graph = {}
+        self.public = {}
+
+    def plan(self, groups):
+        """groups: group -> member cids. Neighbours are chosen within each group (sums are per group)."""
+        self.graph = {}
+        for k, members in groups.items():
+            self.graph.update(neighbour_graph(members, [self.seed, k], self.degree))
+        return self.graph
+
+    @staticmethod
+    def route(outgoing):
+        """sender -> {receiver: ciphertext} into receiver -> {sender: ciphertext}."""
+        incoming = {}
+        for sender, per_receiver in outgoing.items():
+            for receiver, blob in per_receiver.items():
+                incoming.setdefault(int(receiver), {})[int(sender)] = blob
+        return incoming
+
+    def unmask(self, context, masked, survivors, dropped, revealed, public):
+        """The plain sum of the survivors' encoded entries, from the masked sum and the revealed shares.
+
+        Parameters
+        ----------
+        masked : dict key -> uint64 array (the sum of the survivors' uploads)
+        survivors, dropped : lists of cids (dropped: after the masks were agreed)
+        revealed : dict revealer -> {owner: (what, share)}
+        public : dict cid -> public key bytes
+        """
+        shapes = {key: np.shape(w) for key, w in masked.items()}
+        offsets, n_words = _layout(shapes)
+        flat = np.empty(n_words, dtype=np.uint64)
+        for key, (a, b) in offsets.items():
+            flat[a:b] = np.asarray(masked[key], dtype=np.uint64).reshape(-1)
+        by_owner = {}
+        for revealer, shares in revealed.items():
+            for owner, (what, share) in shares.items():
+                by_owner.setdefault((int(owner), what), []).append(share)
+        survivors_set = set(survivors)
+        pairs = []
+        for cid in survivors:
+            secret = self._rebuild(by_owner, cid, "self")
+            pairs.append((_derive(secret, b"self mask", context), -1))
+        _, X25519PrivateKey, X25519PublicKey, _, _, _, _ = _crypto()
+        for cid in dropped:
+            key_secret = self._rebuild(by_owner, cid, "key")
+            private = X25519PrivateKey.from_private_bytes(key_secret)
+            for other in self.graph.get(cid, []):
+                if other in survivors_set:
+                    shared = private.exchange(X25519PublicKey.from_public_bytes(public[other]))
+                    # Survivor `other` added sign(cid - other) PRG(s); take it back out.
+                    pairs.append((_derive(shared, b"mask", context), -1 if cid > other else +1))
+        flat += _mask_total(pairs, n_words)
+        return {key: flat[a:b].reshape(shapes[key]) for key, (a, b) in offsets.items()}
+
+    def _rebuild(self, by_owner, cid, what):
+        shares = by_owner.get((cid, what), [])
+        t = threshold(len(self.graph.get(cid, [])))
+        if len(shares) < t:
+            raise SecureAggregationError(
+                f"client {cid}: {len(shares)} of its neighbours revealed a share of its "
+                f"{'mask key' if what == 'key' else 'self mask'}, {t} are needed (threshold t = k // 2 + 1 of "
+                f"k = {len(self.graph.get(cid, []))} neighbours); too many of them dropped out")
+        return shamir_combine(shares[:t])

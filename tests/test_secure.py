@@ -1,0 +1,226 @@
+"""Secure sums: fixed point, Shamir, the SecAgg+ graph, the masking protocol, and what the server can see."""
+
+import numpy as np
+import pytest
+
+from fedlayer.client import Client
+from fedlayer.federated import VARIANTS, merge_small_groups, run_protocol
+from fedlayer.secure import (
+    FixedPoint,
+    SecureAggregationError,
+    SecureClientState,
+    SecureServer,
+    fraction_bits,
+    neighbour_graph,
+    shamir_combine,
+    shamir_split,
+    threshold,
+)
+from fedlayer.transport import InProcessTransport
+from numeric_checks import assert_close
+from test_federated import N_CLASSES, client_data, dnn_config, make_data
+
+
+# ---------------------------------------------------------------------------
+# Building blocks
+# ---------------------------------------------------------------------------
+
+def test_fixed_point_sums_within_the_stated_bound(rng):
+    n = 7
+    code = FixedPoint(30, n)
+    parts = [rng.standard_normal((20, 9)) * 10.0 ** rng.integers(-3, 4) for _ in range(n)]
+    total = np.zeros((20, 9), dtype=np.uint64)
+    for part in parts:
+        total += code.encode(part)
+    assert np.abs(code.decode(total) - sum(parts)).max() <= code.error_bound()
+
+
+def test_fixed_point_refuses_what_would_wrap(rng):
+    code = FixedPoint(40, 100)
+    with pytest.raises(SecureAggregationError, match=r"client 4 G: largest magnitude 1e\+07 does not fit .* "
+                                                     r"40 fractional bits and 100 clients\); the value would wrap"):
+        code.encode(np.array([1.0, -1e7]), "client 4 G")
+
+
+def test_fraction_bits_leave_room_for_the_sum():
+    bits = fraction_bits([10, 12, 3], 100)
+    assert bits == 63 - 1 - 12 - 7
+    code = FixedPoint(bits, 100)
+    assert code.limit >= 2.0 ** 12  # every declared value fits
+    with pytest.raises(SecureAggregationError, match="need at least 8"):
+        fraction_bits([55], 1000)
+
+
+@pytest.mark.parametrize("n,t", [(2, 2), (5, 3), (14, 8)])
+def test_any_t_shares_rebuild_the_secret_and_fewer_do_not(rng, n, t):
+    secret = bytes(rng.integers(0, 256, 32, dtype=np.uint8))
+    shares = shamir_split(secret, n, t)
+    for _ in range(5):
+        chosen = [shares[i] for i in rng.choice(n, size=t, replace=False)]
+        assert shamir_combine(chosen) == secret
+    if t > 1:
+        with pytest.raises(SecureAggregationError):
+            shamir_combine(shares[:t - 1])  # an unrelated value, almost never 32 bytes long
+
+
+@pytest.mark.parametrize("n", [3, 10, 100, 1000])
+def test_neighbour_graph_is_symmetric_with_logarithmic_degree(n):
+    graph = neighbour_graph(range(n), seed=1)
+    degrees = [len(v) for v in graph.values()]
+    assert all(a in graph[b] for a in graph for b in graph[a])
+    assert all(cid not in graph[cid] for cid in graph)
+    assert max(degrees) <= min(n - 1, 2 * int(np.ceil(np.log2(n))) + 1)
+    assert min(degrees) >= min(n - 1, 2)
+    assert threshold(len(graph[0])) == len(graph[0]) // 2 + 1
+
+
+def _setup(cids, seed=0):
+    states = {c: SecureClientState(c) for c in cids}
+    server = SecureServer(seed)
+    server.plan({0: list(cids)})
+    server.public = {c: states[c].public_key() for c in cids}
+    outgoing = {c: states[c].set_neighbours({n: server.public[n] for n in server.graph[c]}) for c in cids}
+    for c, incoming in server.route(outgoing).items():
+        states[c].receive_shares(incoming)
+    return states, server
+
+
+def _masked_sum(states, server, context, data, survivors, dropped, code):
+    outgoing = {c: states[c].new_self_mask(context) for c in data}
+    for c, incoming in server.route(outgoing).items():
+        states[c].receive_shares(incoming)
+    members = sorted(data)
+    uploads = {c: states[c].mask(context, {"G": code.encode(data[c])}, members) for c in survivors}
+    total = np.zeros_like(uploads[survivors[0]]["G"])
+    for c in survivors:
+        total += uploads[c]["G"]
+    return uploads, total
+
+
+@pytest.mark.parametrize("dropped", [[], [3], [0, 5]])
+def test_masks_cancel_and_dropped_clients_masks_are_removed(rng, dropped):
+    cids = list(range(8))
+    states, server = _setup(cids)
+    code = FixedPoint(36, len(cids))
+    data = {c: rng.standard_normal((6, 6)) for c in cids}
+    survivors = [c for c in cids if c not in dropped]
+    uploads, total = _masked_sum(states, server, (0, 0), data, survivors, dropped, code)
+    revealed = {c: states[c].reveal((0, 0), set(dropped), set(survivors)) for c in survivors}
+    plain = server.unmask((0, 0), {"G": total}, survivors, dropped, revealed, server.public)
+    assert np.abs(code.decode(plain["G"]) - sum(data[c] for c in survivors)).max() <= code.error_bound()
+    # What the server holds before unmasking says nothing about the data.
+    for c in survivors:
+        assert abs(np.corrcoef(code.decode(uploads[c]["G"]).ravel(), data[c].ravel())[0, 1]) < 0.9
+
+
+def test_a_client_never_reveals_both_secrets_of_a_neighbour(rng):
+    cids = list(range(5))
+    states, server = _setup(cids)
+    code = FixedPoint(36, 5)
+    _masked_sum(states, server, (1, 0), {c: rng.standard_normal(3) for c in cids}, cids, [], code)
+    first = states[0].reveal((1, 0), dropped=set(), survivors={1, 2, 3, 4})
+    assert all(what == "self" for what, _ in first.values())
+    with pytest.raises(SecureAggregationError, match="asked for both secrets of client 1 in sum \\(1, 0\\)"):
+        states[0].reveal((1, 0), dropped={1}, survivors={2, 3, 4})
+
+
+def test_a_tampered_share_is_refused():
+    states, server = _setup([0, 1, 2])
+    blob = bytearray(states[0].set_neighbours({1: server.public[1], 2: server.public[2]})[1])
+    blob[-1] ^= 1
+    with pytest.raises(SecureAggregationError, match="the share from client 0 does not authenticate"):
+        states[1].receive_shares({0: bytes(blob)})
+
+
+def test_too_many_dropouts_name_the_threshold(rng):
+    cids = list(range(4))
+    states, server = _setup(cids)
+    code = FixedPoint(36, 4)
+    data = {c: rng.standard_normal(3) for c in cids}
+    _, total = _masked_sum(states, server, (0, 0), data, [0], [1, 2, 3], code)
+    revealed = {0: states[0].reveal((0, 0), {1, 2, 3}, {0})}
+    with pytest.raises(SecureAggregationError, match=r"of its neighbours revealed a share .* are needed .* too many of "
+                                                     r"them dropped out"):
+        server.unmask((0, 0), {"G": total}, [0], [1, 2, 3], revealed, server.public)
+
+
+# ---------------------------------------------------------------------------
+# The protocol in the federated loop
+# ---------------------------------------------------------------------------
+
+def _clients(rng, n_clients, **options):
+    x, y = make_data(rng, n=300)
+    parts = np.array_split(rng.permutation(300), n_clients)
+    return [Client(i, client_data(x, y, p), dnn_config(x.shape[1]), seed=3, n_classes=N_CLASSES, **options)
+            for i, p in enumerate(parts)]
+
+
+@pytest.mark.parametrize("name,options", [("fedacnnl", {}), ("pfedacnnl", {}),
+                                          ("fedacnnl", {"drop_probability": 0.3})])
+def test_secure_weights_equal_the_plain_ones_to_the_rounding(rng, name, options):
+    seed = int(rng.integers(2**31))
+    plain = run_protocol(InProcessTransport(_clients(np.random.default_rng(seed), 9, **options)), 3, VARIANTS[name],
+                         batch_size=7, groups=2)
+    secure = run_protocol(InProcessTransport(_clients(np.random.default_rng(seed), 9, **options)), 3, VARIANTS[name],
+                          batch_size=7, groups=2, secure=SecureServer(seed=5, min_group_size=2))
+    assert plain["groups"] == secure["groups"]
+    for k in plain["group_weights"]:
+        for W, V in zip(plain["group_weights"][k], secure["group_weights"][k], strict=True):
+            assert_close(V, W, np.float64, rtol=1e-9)
+    for a, b in zip(plain["rounds"], secure["rounds"]):
+        assert a.get("dropped") == b.get("dropped")
+    if options:
+        assert any(r.get("dropped") for r in secure["rounds"])
+
+
+def test_small_groups_merge_into_the_nearest():
+    summaries = {0: np.array([0.0]), 1: np.array([0.1]), 2: np.array([0.2]), 3: np.array([5.0]),
+                 4: np.array([5.1]), 5: np.array([5.2]), 6: np.array([0.3])}
+    group_of = {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1, 6: 2}
+    merged = merge_small_groups(group_of, summaries, 3)
+    assert merged == {0: 0, 1: 0, 2: 0, 6: 0, 3: 1, 4: 1, 5: 1}
+    assert merge_small_groups(group_of, summaries, 1) == group_of
+
+
+def test_h_noise_blurs_the_label_summary(rng):
+    x, y = make_data(rng, n=60)
+    data = client_data(x, y, np.arange(60))
+    clean = Client(0, data, dnn_config(12), seed=0, n_classes=N_CLASSES).label_summary()["h"]
+    noisy = Client(0, data, dnn_config(12), seed=0, n_classes=N_CLASSES, h_noise=0.5)
+    first, second = noisy.label_summary()["h"], noisy.label_summary()["h"]
+    assert not np.allclose(first, clean) and not np.allclose(first, second)  # fresh noise, not the run's seed
+    assert 0.2 < np.std(first - clean) < 1.0
+
+
+def test_the_server_sees_class_means_in_a_plain_upload_and_noise_in_a_masked_one(rng):
+    """The threat and the fix: first-layer C gives each class's mean input; the masked words give nothing."""
+    from fedlayer.secure import class_means_from_upload
+
+    clients = _clients(rng, 4)
+    target = clients[0]
+    Q = target.encoders[0]
+    truth = np.stack([target.data.x_train[target.data.y_train == c].mean(axis=0) for c in range(N_CLASSES)])
+    plain = target.local_stats(0, 64)
+    means, counts = class_means_from_upload(plain["C"], Q)
+    np.testing.assert_allclose(counts, np.bincount(target.data.y_train, minlength=N_CLASSES), atol=1e-6)
+    np.testing.assert_allclose(means, truth, atol=1e-6)
+    # The same client under the secure protocol: what reaches the server from it.
+    server = SecureServer(seed=1, min_group_size=2)
+    server.public = {c.client_id: c.secure_keys()["public"] for c in clients}
+    graph = server.plan({0: [c.client_id for c in clients]})
+    outgoing = {c.client_id: c.secure_neighbours({n: server.public[n] for n in graph[c.client_id]})["shares"]
+                for c in clients}
+    for c in clients:
+        c.secure_receive(server.route(outgoing).get(c.client_id, {}))
+    bound = target.secure_bound(0, 64)
+    bits = fraction_bits([bound["exponent"]], len(clients))
+    outgoing = {c.client_id: c.secure_self_mask((0, 0))["shares"] for c in clients}
+    for c in clients:
+        c.secure_receive(server.route(outgoing).get(c.client_id, {}))
+    upload = target.secure_upload(0, (0, 0), bits, len(clients), [c.client_id for c in clients])
+    seen = FixedPoint(bits, len(clients)).decode(upload["C"])
+    guessed, _ = class_means_from_upload(seen, Q)
+    # Uniform words in Z_2^64: over all 48 values a correlation of 0.6 has odds below 1e-5 (the masks are fresh
+    # OS randomness each run); a plain upload gives 1.
+    valid = np.isfinite(guessed)
+    assert abs(np.corrcoef(guessed[valid], truth[valid])[0, 1]) < 0.6
