@@ -456,8 +456,6 @@ def _test_hooks(cid):
     if os.environ.get("FEDLAYER_TEST_HANG_CLIENT") == str(cid):
         while True:
             time.sleep(3600)
-    if os.environ.get("FEDLAYER_TEST_EXIT_CLIENT") == str(cid):
-        os._exit(3)  # the rank dies without a word, as a crashed node would
 
 
 def report_startup_failure(comm, err):
