@@ -103,7 +103,9 @@ class Transport(ABC):
         args : dict cid -> keyword arguments
         keys : sequence of str
             Entries of each result that are summed (never seen per client).
-        dtype : float dtype of the summed arrays.
+        dtype : dtype
+            Of the sums of float arrays; integer arrays (the secure protocol's
+            fixed-point words) keep their own and wrap around.
         upper : sequence of str
             Summed entries that are upper-triangular matrices (a transport may
             move only their upper triangle).
