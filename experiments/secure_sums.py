@@ -79,7 +79,7 @@ def threat(dataset, config, out):
                           for c in clients})
     for c in clients:
         c.secure_receive(relay.get(c.client_id, {}))
-    bits = fraction_bits([target.secure_bound(0, 64)["exponent"]], len(clients))
+    bits = fraction_bits([target.secure_bound(0, 64, ["G", "C"])["exponent"]], len(clients))
     relay = server.route({c.client_id: c.secure_self_mask((0, 0))["shares"] for c in clients})
     for c in clients:
         c.secure_receive(relay.get(c.client_id, {}))

@@ -274,15 +274,15 @@ def matmul(X, W, *, out=None, check_finite=True):
         _check_output("out", out, 2)
         if out.shape != (n, m) or out.dtype != X.dtype:
             raise ValueError(f"out must have shape {(n, m)} and dtype {X.dtype}, got {out.shape} {out.dtype}")
+    X, W = _as_input(X), _as_input(W)
     if check_finite:
-        _check_finite("X", _as_input(X))
-        _check_finite("W", _as_input(W))
+        _check_finite("X", X)
+        _check_finite("W", W)
     if out.size == 0:
         return out
     if X.shape[1] == 0:
         out[...] = 0
         return out
-    X, W = _as_input(X), _as_input(W)
     with sized_threads(2.0 * n * X.shape[1] * m):
         _kernels.matmul_same(out, *_layout(out), X, *_layout(X), W, *_layout(W))
     return out

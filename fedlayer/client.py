@@ -503,17 +503,18 @@ class Client:
         self._secure.receive_shares(shares)
         return {"compute_s": time.perf_counter() - start}
 
-    def secure_bound(self, position, batch_size, round_index=0, target_moments=False):
+    def secure_bound(self, position, batch_size, summed, round_index=0, target_moments=False):
         """First half of a secure sum: compute the statistics, keep them, declare their magnitude exponent.
 
-        Returns the exponent (the power of two above the largest statistic),
-        the sample count and the busy time; the statistics stay here until
+        ``summed`` names the entries of :meth:`local_stats` the server sums.
+        Returns the exponent (the power of two above the largest of them),
+        the sample count and the busy time; those entries stay here until
         :meth:`secure_upload` masks them.
         """
         from .secure import magnitude_exponent
 
         result = self.local_stats(position, batch_size, round_index, target_moments)
-        kept = {key: result.pop(key) for key in ("G", "C", "zz", "rows") if key in result}
+        kept = {key: result.pop(key) for key in summed if key in result}
         self._secure_pending[position] = kept
         return {**result, "exponent": magnitude_exponent([np.asarray(v, dtype=np.float64) for v in kept.values()])}
 

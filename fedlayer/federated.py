@@ -146,10 +146,15 @@ def _secure_setup(transport, secure, group_of):
     secure.public = publics
     outgoing = {cid: result["shares"] for cid, result in transport.call(
         "secure_neighbours", {cid: {"public_keys": {nb: publics[nb] for nb in graph[cid]}} for cid in group_of})}
-    incoming = secure.route(outgoing)
-    for _ in transport.call("secure_receive", {cid: {"shares": incoming.get(cid, {})} for cid in group_of}):
-        pass
+    _relay(transport, secure, outgoing, group_of)
     return sum(len(blob) for shares in outgoing.values() for blob in shares.values()) + 32 * len(publics)
+
+
+def _relay(transport, secure, outgoing, cids):
+    """Deliver encrypted shares (sender -> {receiver: bytes}) to ``cids``; returns each one's seconds receiving."""
+    incoming = secure.route(outgoing)
+    return {cid: r["compute_s"] for cid, r in transport.call(
+        "secure_receive", {c: {"shares": incoming.get(c, {})} for c in cids})}
 
 
 def _secure_sum(transport, secure, args, context, stat_dtype):
@@ -164,7 +169,8 @@ def _secure_sum(transport, secure, args, context, stat_dtype):
     from .secure import FixedPoint, fraction_bits
     from .transport import Sum
 
-    bound = transport.sum("secure_bound", args, ())
+    bound = transport.sum("secure_bound", {c: {**kwargs, "summed": list(UPLOADED)} for c, kwargs in args.items()},
+                          ())
     alive = sorted(bound.receipts)
     if not alive:
         return Sum({}, {}, {}, bound.dropped)
@@ -174,9 +180,8 @@ def _secure_sum(transport, secure, args, context, stat_dtype):
     for cid, r in transport.call("secure_self_mask", {c: {"context": context} for c in alive}):
         outgoing[cid] = r["shares"]
         protocol_s[cid] += r["compute_s"]
-    incoming = secure.route(outgoing)
-    for cid, r in transport.call("secure_receive", {c: {"shares": incoming.get(c, {})} for c in alive}):
-        protocol_s[cid] += r["compute_s"]
+    for cid, seconds in _relay(transport, secure, outgoing, alive).items():
+        protocol_s[cid] += seconds
     position = args[alive[0]]["position"]
     upload = transport.sum("secure_upload", {c: {"position": position, "context": context, "frac_bits": frac_bits,
                                                  "n_terms": len(alive), "members": alive} for c in alive},

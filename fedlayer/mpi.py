@@ -311,7 +311,6 @@ class MPITransport(Transport):
         busy = {r for r in self.workers if pending[r]}
         last = {r: time.monotonic() for r in busy}
         outcome = Sum()
-        partial_due = set(busy)  # ranks whose partial sum has not arrived
 
         def still_waiting():
             return {r: sorted(pending[r]) if pending[r] else "its partial sum" for r in busy}
@@ -321,11 +320,11 @@ class MPITransport(Transport):
             if header.get("seq") != seq or op not in ("receipt", "dropped", "partial"):
                 self._unexpected(source, header)
             if op == "partial":
-                if pending[source] or source not in partial_due:
+                # A rank is busy until its partial sum, which comes after its last client.
+                if pending[source] or source not in busy:
                     self._unexpected(source, header)
                 fold(outcome.totals, header["result"], dtype)
                 outcome.transport[f"rank {source}"] = {"bytes": header["nbytes"], "receive_s": recv_s}
-                partial_due.discard(source)
                 busy.discard(source)
                 continue
             cid = header["cid"]
@@ -338,8 +337,6 @@ class MPITransport(Transport):
                 outcome.receipts[cid] = header["result"]
                 outcome.up_bytes[cid] = header["nbytes"]
         self._reap_sends(wait=True)
-        if not outcome.receipts:
-            outcome.totals = {}
         return outcome
 
     def _unexpected(self, source, header):

@@ -38,7 +38,8 @@ class Sum:
     ----------
     totals : dict
         key -> sum over the clients that answered (arrays in the requested
-        dtype, numbers as numbers); empty when none answered.
+        dtype, numbers as numbers); empty when none answered (nothing is
+        folded for a dropout).
     receipts : dict
         cid -> that client's result without the summed entries.
     up_bytes : dict
@@ -172,7 +173,7 @@ class InProcessTransport(Transport):
 
     def sum(self, method, args, keys, *, dtype=np.float64, upper=()):
         totals, receipts, up_bytes, dropped = client_side_sum(self._clients, method, args, keys, dtype)
-        return Sum(totals if receipts else {}, receipts, up_bytes, dropped)
+        return Sum(totals, receipts, up_bytes, dropped)
 
     def client(self, cid):
         return self._clients[cid]

@@ -212,7 +212,7 @@ def test_the_server_sees_class_means_in_a_plain_upload_and_noise_in_a_masked_one
                 for c in clients}
     for c in clients:
         c.secure_receive(server.route(outgoing).get(c.client_id, {}))
-    bound = target.secure_bound(0, 64)
+    bound = target.secure_bound(0, 64, ["G", "C"])
     bits = fraction_bits([bound["exponent"]], len(clients))
     outgoing = {c.client_id: c.secure_self_mask((0, 0))["shares"] for c in clients}
     for c in clients:
