@@ -186,6 +186,8 @@ def cmd_run(args):
     from . import mpi
 
     comm = mpi.world()  # None unless launched by mpiexec with more than one rank
+    if comm is not None:
+        mpi.watch_ranks(comm)
     if comm is not None and comm.Get_rank() > 0:
         from .run import rank_clients
 
@@ -194,7 +196,9 @@ def cmd_run(args):
         except Exception as err:
             mpi.report_startup_failure(comm, err)
             clients = None
-        return mpi.serve(comm, clients)
+        status = mpi.serve(comm, clients)
+        mpi.rank_finished(comm)
+        return status
     transport = None if comm is None else mpi.MPITransport(comm, deadline_s=args.mpi_deadline)
     bar = None if args.quiet else _ProgressBar(config.algorithm)
     try:
@@ -202,12 +206,14 @@ def cmd_run(args):
     except BaseException:
         if transport is not None:
             transport.close(status=1)  # stops the workers (aborts the job if a rank hangs)
+            mpi.rank_finished(comm)  # the error that ends the job is rank 0's own, printed below
         raise
     finally:
         if bar is not None:
             bar.close()
     if transport is not None:
         transport.close()
+        mpi.rank_finished(comm)
     if not args.quiet:
         print(_summary(results))
         if config.output:

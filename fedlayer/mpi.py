@@ -45,12 +45,14 @@ import pickle  # noqa: F401  (headers are pickled by mpi4py's lowercase calls)
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import numpy as np
 
 from .transport import Sum, Transport, client_side_sum, fold
 
-__all__ = ["MPITransport", "serve", "report_startup_failure", "world", "hosting_rank", "CHUNK_BYTES"]
+__all__ = ["MPITransport", "serve", "report_startup_failure", "world", "hosting_rank", "watch_ranks",
+           "rank_finished", "CHUNK_BYTES"]
 
 TAG_CMD, TAG_CMD_DATA, TAG_RESULT, TAG_DATA = 11, 12, 13, 14
 CHUNK_BYTES = 2**30
@@ -73,6 +75,54 @@ def world():
         return None
     comm = MPI.COMM_WORLD
     return comm if comm.Get_size() > 1 else None
+
+
+_marker_dir = None  # this host's folder of "rank ended for a reason fedlayer printed" markers
+
+
+def watch_ranks(comm):
+    """Start this host's watcher of dead ranks (:mod:`fedlayer._rankwatch`); collective over ``comm``.
+
+    Every rank calls it once at startup; the first rank on each host starts
+    the watcher with its host's (rank, pid) pairs. Each rank then calls
+    :func:`rank_finished` when it ends in an orderly way (its error, if any,
+    already printed), so that only a rank that dies unexplained is named.
+    Nothing is started where Linux pidfds are missing.
+    """
+    import socket
+    import subprocess
+    import tempfile
+
+    from mpi4py import MPI
+
+    global _marker_dir
+    host_comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        pairs = host_comm.gather((comm.Get_rank(), os.getpid()), root=0)
+        marker_dir = None
+        if host_comm.Get_rank() == 0 and hasattr(os, "pidfd_open"):
+            marker_dir = tempfile.mkdtemp(prefix="fedlayer-ranks-")
+            watcher = Path(__file__).with_name("_rankwatch.py")
+            # A session of its own: mpiexec's cleanup, which kills the ranks, must not take the watcher along.
+            subprocess.Popen([sys.executable, str(watcher), marker_dir, socket.gethostname(),
+                              *(f"{rank}:{pid}" for rank, pid in pairs)],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+        _marker_dir = host_comm.bcast(marker_dir, root=0)
+    finally:
+        host_comm.Free()
+
+
+def rank_finished(comm, aborting=False):
+    """Mark this rank's end as explained (see :func:`watch_ranks`); idempotent.
+
+    ``aborting``: this rank stops the whole job (MPI_Abort) after printing why,
+    so no rank on this host that the abort kills is to be named either.
+    """
+    if _marker_dir is not None:
+        try:
+            Path(_marker_dir, "abort" if aborting else str(comm.Get_rank())).touch()
+        except OSError:
+            pass  # the watcher is gone already: nothing left to tell it
 
 
 def hosting_rank(cid, size):
@@ -438,6 +488,7 @@ def _abort(comm):
     The abort kills every process at once, the proxies included; without the pause the error that
     explains the abort is sometimes lost from the job's stderr (seen in about 1 run in 6).
     """
+    rank_finished(comm, aborting=True)  # the reason is on stderr: the ranks it kills did not die
     sys.stdout.flush()
     sys.stderr.flush()
     time.sleep(ABORT_GRACE_S)

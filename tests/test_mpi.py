@@ -7,8 +7,11 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +102,7 @@ def test_hundred_clients_on_three_ranks(tmp_path):
     proc = mpirun(["--algorithm", "pfedacnnl", "--clients", "100", "--model", "lr", "--output", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "100 clients" in proc.stdout
+    assert "it died" not in proc.stderr  # an orderly end names no rank
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["n_clients"] == 100
     assert all(len(record["clients"]) == 100 for record in results["rounds"].values())
@@ -124,3 +128,63 @@ def test_hung_rank_hits_the_deadline():
     assert proc.returncode != 0
     assert "no answer from MPI rank(s) [2]" in proc.stderr
     assert "client ids [3," in proc.stderr
+    assert "it died" not in proc.stderr  # rank 0 aborts the job itself: no rank is named as dead
+
+
+def _processes_of_job(token):
+    """{pid: (PMI_RANK or None, command line)} of the live processes whose environment holds ``token``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if f"FEDLAYER_TEST_JOB={token}".encode() in environ:
+            rank = next((v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"PMI_RANK=")), None)
+            found[int(entry.name)] = (rank, cmdline)
+    return found
+
+
+def _pidfds(pid):
+    """How many pidfds process ``pid`` holds (their fdinfo names a Pid)."""
+    count = 0
+    try:
+        for info in Path(f"/proc/{pid}/fdinfo").iterdir():
+            count += "\nPid:" in "\n" + info.read_text()
+    except OSError:
+        pass
+    return count
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open") or not Path("/proc/self/environ").exists(),
+                    reason="the dead-rank watcher needs Linux pidfds; the test finds ranks through /proc")
+def test_dead_rank_is_named():
+    # rank 2 (client 3's) waits in layer 1 and is killed from outside, as the OOM killer would do it
+    token = uuid.uuid4().hex
+    cmd = [MPIEXEC, "-n", "3", sys.executable, "-m", "fedlayer", "run", "--algorithm", "fedacnnl", *SMALL,
+           "--quiet", "--mpi-deadline", "120"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(FEDLAYER_TEST_HANG_CLIENT=3, FEDLAYER_TEST_JOB=token))
+    try:
+        deadline, victim = time.monotonic() + 60, None
+        while victim is None and time.monotonic() < deadline and proc.poll() is None:
+            job = _processes_of_job(token)
+            watching = any("_rankwatch" in cmdline and _pidfds(pid) == 3 for pid, (_, cmdline) in job.items())
+            ranks = {rank: pid for pid, (rank, cmdline) in job.items() if "_rankwatch" not in cmdline}
+            if watching and "2" in ranks:
+                victim = ranks["2"]
+            else:
+                time.sleep(0.1)
+        assert victim is not None, "rank 2 or the watcher never started"
+        os.kill(victim, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0
+    assert f"fedlayer: MPI rank 2 (pid {victim} on " in stderr, stderr[-3000:]
+    assert stderr.count("it died") == 1  # the ranks mpiexec stopped afterwards are not named
