@@ -97,6 +97,22 @@ class AnalyticAlgorithm(Algorithm):
         self.name, self.variant, self.summary, self.centralized = name, variant, summary, centralized
         self.personalized = variant.personalize
 
+    @property
+    def federated_stage(self):
+        """The algorithm whose initialization and federated rounds this one runs (its checkpoints fit both).
+
+        pFedACnnL-WC trains FedACnnL's stage and personalizes it; pFedACnnL
+        trains pFedACnnL-WP's. So a personalized run can resume from the
+        checkpoint of the run without personalization.
+        """
+        for name, algorithm in ALGORITHMS.items():
+            if (isinstance(algorithm, AnalyticAlgorithm) and not algorithm.variant.personalize
+                    and algorithm.centralized == self.centralized
+                    and (algorithm.variant.adaptive, algorithm.variant.cluster)
+                    == (self.variant.adaptive, self.variant.cluster)):
+                return name
+        return self.name
+
     def check_config(self, config):
         for key in ("hyper", "rounds"):
             if getattr(config, key) is not None:
@@ -132,6 +148,7 @@ class AnalyticAlgorithm(Algorithm):
             max_batch_size=config.max_batch_size, clock=clock, progress=progress, checkpoint=checkpoint,
             resume=resume_state, fingerprint=config.fingerprint(), target_bases=target_bases(model, config.seed, config.conv_targets),
             secure=SecureServer(config.seed, min_group_size=config.min_group_size) if config.secure else None,
+            eval_every=config.eval_every,
         )
         group_of = {int(cid): k for cid, k in outcome["groups"].items()}
         group_weights = outcome["group_weights"]

@@ -118,8 +118,13 @@ def merge_small_groups(group_of, summaries, min_size):
     return {cid: new for new, k in enumerate(order) for cid in groups[k]}
 
 
-def _timed_accuracy(log, transport):
-    """Overall test accuracy, its seconds kept in the round's log (evaluation is not training time)."""
+def _timed_accuracy(log, transport, evaluate=True):
+    """Overall test accuracy, its seconds kept in the round's log (evaluation is not training time).
+
+    None, at no cost, when ``evaluate`` is false.
+    """
+    if not evaluate:
+        return None
     start = time.perf_counter()
     accuracy = overall_accuracy(transport)
     log.eval_s = time.perf_counter() - start
@@ -220,7 +225,7 @@ _SHARE_BYTES = 82
 def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500.0, groups=10, seed=0,
                  batch_size=64, max_batch_size=1024, clock=Clock(), stat_dtype=np.float64, progress=None,
                  checkpoint=None, resume=None, fingerprint=None, target_bases=None, gamma_scope="all",
-                 secure=None):
+                 secure=None, eval_every=1):
     """Run one algorithm over ``transport``'s clients; returns the results record.
 
     Parameters
@@ -267,6 +272,11 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         point; groups below ``secure.min_group_size`` merge first). A client
         whose statistics raise drops out of that round either way: the layer
         is solved on the others' sums and the round records it.
+    eval_every : int, default=1
+        Overall test accuracy after every ``eval_every``-th training round
+        (federated and personalization rounds counted together) and after
+        the last; the others record None. At full DCNN width an evaluation
+        through the still-untrained later layers costs minutes.
 
     Returns
     -------
@@ -281,6 +291,17 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         if not 1 <= first_batch[cid] <= max_batch[cid]:
             raise ValueError(f"client {cid}: need 1 <= batch_size ({first_batch[cid]}) <= max_batch_size ({max_batch[cid]})")
     rounds = []
+    if int(eval_every) < 1:
+        raise ValueError(f"eval_every must be >= 1, got {eval_every}")
+    total_rounds = n_layers * (2 if variant.personalize else 1)
+
+    def evaluated(done):
+        """Whether the ``done``-th training round (1-based) is evaluated."""
+        return done % int(eval_every) == 0 or done == total_rounds
+
+    def status():
+        accuracy = rounds[-1]["accuracy"]
+        return "not evaluated" if accuracy is None else f"accuracy {accuracy:.4f}"
 
     # -- initialization stage ------------------------------------------------
     if resume is not None:
@@ -396,14 +417,14 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         set_args = {cid: {"position": position, "weights": weights[group_of[cid]]} for cid in cids}
         for cid, _ in transport.call("set_weights", set_args):
             log.sent(cid, weights[group_of[cid]].nbytes + 8)  # the weights and the next batch size
-        rounds.append(log.record(_timed_accuracy(log, transport)))
+        rounds.append(log.record(_timed_accuracy(log, transport, evaluated(position + 1))))
         if checkpoint is not None:
             from .checkpoint import save_checkpoint
 
             save_checkpoint(checkpoint, fingerprint=fingerprint or {}, layers_done=position + 1, group_of=group_of,
                             group_weights=group_weights, batch=batch, first_durations=first_durations, rounds=rounds)
         if progress:
-            progress(f"layer {position + 1}/{n_layers} trained, accuracy {rounds[-1]['accuracy']:.4f}")
+            progress(f"layer {position + 1}/{n_layers} trained, {status()}")
 
     # -- local personalization stage ----------------------------------------
     if variant.personalize:
@@ -415,9 +436,9 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
                 log.up[cid] = 0.0
                 if "eps" in result:
                     log.chosen[cid] = {"eps": float(result["eps"]), "criterion": result["method"]}
-            rounds.append(log.record(_timed_accuracy(log, transport)))
+            rounds.append(log.record(_timed_accuracy(log, transport, evaluated(n_layers + position + 1))))
             if progress:
-                progress(f"layer {position + 1}/{n_layers} personalized, accuracy {rounds[-1]['accuracy']:.4f}")
+                progress(f"layer {position + 1}/{n_layers} personalized, {status()}")
 
     return {
         "groups": {str(cid): k for cid, k in group_of.items()},

@@ -115,7 +115,7 @@ class RunConfig:
     checkpoint: str | None = None  # server checkpoint after every layer (default: OUTPUT/checkpoint.npz)
     resume: bool = False         # continue from the checkpoint's last finished layer
     rounds: int | None = None    # baselines only: training rounds (default: the paper's, see BASELINES)
-    eval_every: int = 1          # baselines only: evaluate every this many rounds (and the last)
+    eval_every: int = 1          # evaluate every this many training rounds (and the last)
     hyper: dict | None = None    # baselines only: hyperparameter overrides, e.g. {"lr": 1e-4} (see BASELINES)
     drop_clients: float = 0.0    # analytic methods: chance that a client fails in a round (seeded; simulated)
     round_deadline: float | None = None  # analytic methods: a client busy longer (s) in a round drops out of it
@@ -164,8 +164,15 @@ class RunConfig:
         return {key: getattr(self, key) for key in SPLIT_KEYS}
 
     def fingerprint(self):
-        """The settings that determine the trained weights (checked on resume)."""
-        return {"algorithm": self.algorithm, "model": self.model, "gamma": self.gamma, "groups": self.groups,
+        """The settings that determine the trained weights (checked on resume).
+
+        "algorithm" is the algorithm whose federated stage this run trains
+        (:attr:`fedlayer.algorithms.AnalyticAlgorithm.federated_stage`): a
+        ``pfedacnnl-wc`` run resumes from a ``fedacnnl`` checkpoint and a
+        ``pfedacnnl`` run from a ``pfedacnnl-wp`` one.
+        """
+        algorithm = ALGORITHMS[self.algorithm]
+        return {"algorithm": getattr(algorithm, "federated_stage", self.algorithm), "model": self.model, "gamma": self.gamma, "groups": self.groups,
                 "gamma_scope": self.gamma_scope,
                 "width": self.width, "conv_targets": self.conv_targets, **self.split()}
 

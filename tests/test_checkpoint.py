@@ -73,3 +73,31 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
                            group_weights={0: [np.ones((2, 2))]}, batch={0: 1}, first_durations=None, rounds=[])
     assert (tmp_path / "checkpoint.npz").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")) == []
+
+
+@pytest.mark.parametrize("personalized,shared", [("pfedacnnl-wc", "fedacnnl"), ("pfedacnnl", "pfedacnnl-wp")])
+def test_personalization_resumes_from_the_run_without_it(tmp_path, personalized, shared):
+    # the personalized variant trains the same federated stage: resuming skips it and personalizes its layers
+    base = dict(dataset="synthetic", model="dnn", clients=20, groups=3, seed=1)
+    without = run(RunConfig(algorithm=shared, output=str(tmp_path / "shared"), **base))
+    direct = run(RunConfig(algorithm=personalized, output=str(tmp_path / "direct"), **base))
+    resumed = run(RunConfig(algorithm=personalized, output=str(tmp_path / "resumed"), resume=True,
+                            checkpoint=str(tmp_path / "shared" / "checkpoint.npz"), **base))
+    n_layers = sum(r["stage"] == "federated" for r in without["rounds"].values())
+    assert resumed["resumed_from_layer"] == n_layers
+    shared_rounds = [r for r in resumed["rounds"].values() if r["stage"] != "personalization"]
+    assert shared_rounds == list(without["rounds"].values())  # the stage's records are those of the run resumed
+    assert len(resumed["rounds"]) == len(direct["rounds"])
+    for path in sorted((tmp_path / "direct" / "personalized").glob("client*.npz")):
+        ours, _ = Model.load(tmp_path / "resumed" / "personalized" / path.name)
+        theirs, _ = Model.load(path)
+        for index in ours.trainable:
+            # eq. (7)'s batches follow measured times, so the sums' order differs: equal to rounding
+            np.testing.assert_allclose(ours.layers[index].weights, theirs.layers[index].weights, rtol=1e-9, atol=1e-12)
+    assert abs(resumed["accuracy"] - direct["accuracy"]) < 1e-3
+
+
+def test_resume_refuses_another_federated_stage(tmp_path):
+    run(RunConfig(algorithm="fedacnnl", clients=10, model="lr", output=str(tmp_path)))
+    with pytest.raises(ValueError, match="another configuration.*'fedacnnl', 'pfedacnnl-wp'"):
+        run(RunConfig(algorithm="pfedacnnl", clients=10, groups=2, model="lr", output=str(tmp_path), resume=True))

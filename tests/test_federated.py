@@ -146,6 +146,22 @@ def test_every_variant_runs_and_learns(rng, name):
     assert ("personalization" in [r["stage"] for r in outcome["rounds"]]) == variant.personalize
 
 
+@pytest.mark.parametrize("eval_every", [2, 3, 7])
+def test_eval_every_skips_evaluations_not_training(rng, eval_every):
+    x, y = make_data(rng, n=300, d=8)
+    datas = [client_data(x, y, p, n_test=60) for p in np.array_split(rng.permutation(300), 6)]
+    variant = Variant(adaptive=False, cluster=True, personalize=True)  # fixed batches: bit-identical weights
+    every, _ = run_clients(datas, variant, config=dnn_config(8), groups=2)
+    some, _ = run_clients(datas, variant, config=dnn_config(8), groups=2, eval_every=eval_every)
+    trained = [r for r in some["rounds"] if r["stage"] != "initialization"]
+    evaluated = [i + 1 for i, r in enumerate(trained) if r["accuracy"] is not None]
+    assert evaluated == sorted({i for i in range(1, 7) if i % eval_every == 0} | {6})
+    assert all("eval_s" not in r for r in trained if r["accuracy"] is None)  # no evaluation, no time
+    assert some["accuracy"] == every["accuracy"]  # the last round is always evaluated
+    with pytest.raises(ValueError, match="eval_every must be >= 1"):
+        run_clients(datas, variant, config=dnn_config(8), eval_every=0)
+
+
 def test_groups_larger_than_clients_is_an_error(rng):
     x, y = make_data(rng, n=40)
     with pytest.raises(ValueError, match=r"groups \(K=10\) cannot exceed the number of clients \(2\)"):
