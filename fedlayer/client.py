@@ -503,18 +503,22 @@ class Client:
         self._secure.receive_shares(shares)
         return {"compute_s": time.perf_counter() - start}
 
-    def secure_bound(self, position, batch_size, summed, round_index=0, target_moments=False):
+    def secure_bound(self, position, batch_size, summed, round_index=0, target_moments=False, upper=()):
         """First half of a secure sum: compute the statistics, keep them, declare their magnitude exponent.
 
-        ``summed`` names the entries of :meth:`local_stats` the server sums.
+        ``summed`` names the entries of :meth:`local_stats` the server sums;
+        those in ``upper`` are upper-triangular (G) and are kept, encoded and
+        masked as their packed upper triangle, half the words.
         Returns the exponent (the power of two above the largest of them),
         the sample count and the busy time; those entries stay here until
         :meth:`secure_upload` masks them.
         """
         from .secure import magnitude_exponent
+        from .transport import pack_upper
 
         result = self.local_stats(position, batch_size, round_index, target_moments)
         kept = {key: result.pop(key) for key in summed if key in result}
+        kept.update({key: pack_upper(kept[key]) for key in upper if key in kept})
         self._secure_pending[position] = kept
         return {**result, "exponent": magnitude_exponent([np.asarray(v, dtype=np.float64) for v in kept.values()])}
 

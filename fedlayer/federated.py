@@ -29,12 +29,14 @@ import numpy as np
 import fastls
 
 from .timing import Clock, RoundLog, payload_bytes
-from .transport import overall_accuracy
+from .transport import overall_accuracy, unpack_upper
 
 __all__ = ["Variant", "VARIANTS", "adaptive_batch_sizes", "run_protocol", "AllClientsDropped"]
 
 #: What a client's local_stats result sends up (the rest is local timing).
 UPLOADED = ("G", "C", "zz", "rows")
+#: The uploaded entries that are upper-triangular (the clients never fill G's lower triangle).
+_UPPER = ("G",)
 
 
 class AllClientsDropped(RuntimeError):
@@ -174,8 +176,8 @@ def _secure_sum(transport, secure, args, context, stat_dtype):
     from .secure import FixedPoint, fraction_bits
     from .transport import Sum
 
-    bound = transport.sum("secure_bound", {c: {**kwargs, "summed": list(UPLOADED)} for c, kwargs in args.items()},
-                          ())
+    bound = transport.sum("secure_bound", {c: {**kwargs, "summed": list(UPLOADED), "upper": list(_UPPER)}
+                                           for c, kwargs in args.items()}, ())
     alive = sorted(bound.receipts)
     if not alive:
         return Sum({}, {}, {}, bound.dropped)
@@ -203,6 +205,7 @@ def _secure_sum(transport, secure, args, context, stat_dtype):
     words = secure.unmask(context, upload.totals, survivors, dropped, revealed, secure.public)
     code = FixedPoint(frac_bits, len(alive))
     totals = {key: code.decode(w) for key, w in words.items()}
+    totals.update({key: unpack_upper(totals[key]) for key in _UPPER if key in totals})
     totals = {key: (value.astype(stat_dtype) if value.ndim else float(value)) for key, value in totals.items()}
     if "rows" in totals:
         totals["rows"] = int(round(totals["rows"]))
@@ -365,7 +368,7 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
             if secure is not None:
                 outcome = _secure_sum(transport, secure, args, (position, k), stat_dtype)
             else:
-                outcome = transport.sum("local_stats", args, UPLOADED, dtype=stat_dtype, upper=("G",))
+                outcome = transport.sum("local_stats", args, UPLOADED, dtype=stat_dtype, upper=_UPPER)
             for cid, receipt in outcome.receipts.items():
                 log.arrived(cid, receipt["compute_s"], outcome.up_bytes[cid], parts=receipt.get("parts"))
             log.dropped.update(outcome.dropped)

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .transport import Sum, Transport, client_side_sum, fold
+from .transport import Sum, Transport, client_side_sum, fold, pack_upper, unpack_upper
 
 __all__ = ["MPITransport", "serve", "report_startup_failure", "world", "hosting_rank", "watch_ranks",
            "rank_finished", "CHUNK_BYTES"]
@@ -179,29 +179,6 @@ def _inflate(obj, arrays):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_inflate(v, arrays) for v in obj)
     return obj
-
-
-def pack_upper(G):
-    """Upper triangle of square ``G`` row by row, as a contiguous 1-D array of d(d+1)/2 values."""
-    d = G.shape[0]
-    out = np.empty(d * (d + 1) // 2, dtype=G.dtype)
-    offset = 0
-    for i in range(d):
-        n = d - i
-        out[offset:offset + n] = G[i, i:]
-        offset += n
-    return out
-
-
-def unpack_upper(packed, d):
-    """Inverse of :func:`pack_upper`; the strict lower triangle is zero (as the clients leave it)."""
-    G = np.zeros((d, d), dtype=packed.dtype)
-    offset = 0
-    for i in range(d):
-        n = d - i
-        G[i, i:] = packed[offset:offset + n]
-        offset += n
-    return G
 
 
 def _wire_shape(shape, packed):

@@ -27,7 +27,7 @@ import numpy as np
 
 from .timing import payload_bytes
 
-__all__ = ["Transport", "InProcessTransport", "Sum", "overall_accuracy", "fold"]
+__all__ = ["Transport", "InProcessTransport", "Sum", "overall_accuracy", "fold", "pack_upper", "unpack_upper"]
 
 
 @dataclass
@@ -56,6 +56,34 @@ class Sum:
     up_bytes: dict = field(default_factory=dict)
     dropped: dict = field(default_factory=dict)
     transport: dict = field(default_factory=dict)
+
+
+def pack_upper(G):
+    """Upper triangle of square ``G`` row by row, as a contiguous 1-D array of d(d+1)/2 values."""
+    d = G.shape[0]
+    out = np.empty(d * (d + 1) // 2, dtype=G.dtype)
+    offset = 0
+    for i in range(d):
+        n = d - i
+        out[offset:offset + n] = G[i, i:]
+        offset += n
+    return out
+
+
+def unpack_upper(packed, d=None):
+    """Inverse of :func:`pack_upper` (``d`` from the length when None); the strict lower triangle is zero."""
+    if d is None:
+        d = int(round(((8 * packed.size + 1) ** 0.5 - 1) / 2))
+    if packed.size != d * (d + 1) // 2:
+        raise ValueError(f"a packed upper triangle of a {d} x {d} matrix has {d * (d + 1) // 2} values, "
+                         f"got {packed.size}")
+    G = np.zeros((d, d), dtype=packed.dtype)
+    offset = 0
+    for i in range(d):
+        n = d - i
+        G[i, i:] = packed[offset:offset + n]
+        offset += n
+    return G
 
 
 def fold(totals, summed, dtype):

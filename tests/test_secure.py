@@ -11,12 +11,13 @@ from fedlayer.secure import (
     SecureClientState,
     SecureServer,
     fraction_bits,
+    keystream_words,
     neighbour_graph,
     shamir_combine,
     shamir_split,
     threshold,
 )
-from fedlayer.transport import InProcessTransport
+from fedlayer.transport import InProcessTransport, pack_upper, unpack_upper
 from numeric_checks import assert_close
 from test_federated import N_CLASSES, client_data, dnn_config, make_data
 
@@ -111,6 +112,32 @@ def test_masks_cancel_and_dropped_clients_masks_are_removed(rng, dropped):
     # What the server holds before unmasking says nothing about the data.
     for c in survivors:
         assert abs(np.corrcoef(code.decode(uploads[c]["G"]).ravel(), data[c].ravel())[0, 1]) < 0.9
+
+
+def test_keystream_is_aes256_ctr(rng):
+    # against AES-256 of the counter blocks 0, 1, 2, ... (ECB), an independent route to the same stream
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    key = bytes(rng.integers(0, 256, 32, dtype=np.uint8))
+    n_words = 2 * 37 + 1  # not a whole number of 16-byte blocks
+    counters = b"".join(i.to_bytes(16, "big") for i in range(38))
+    blocks = Cipher(algorithms.AES(key), modes.ECB()).encryptor().update(counters)
+    expected = np.frombuffer(blocks[:8 * n_words], dtype=np.uint64)
+    np.testing.assert_array_equal(keystream_words(key, n_words), expected)
+    out = np.full(n_words, 7, dtype=np.uint64)
+    assert keystream_words(key, n_words, out=out) is out
+    np.testing.assert_array_equal(out, expected)
+    assert not np.array_equal(keystream_words(bytes(32), n_words), expected)
+
+
+def test_packed_upper_triangle_round_trips(rng):
+    G = np.triu(rng.standard_normal((7, 7)))
+    packed = pack_upper(G)
+    assert packed.shape == (28,)
+    np.testing.assert_array_equal(unpack_upper(packed), G)
+    np.testing.assert_array_equal(unpack_upper(packed, 7), G)
+    with pytest.raises(ValueError, match="upper triangle of a 6 x 6 matrix has 21 values, got 28"):
+        unpack_upper(packed, 6)
 
 
 def test_a_client_never_reveals_both_secrets_of_a_neighbour(rng):
