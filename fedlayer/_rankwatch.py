@@ -12,10 +12,12 @@ using the CPU. A rank whose end fedlayer explains (it finished, or it
 printed its own error before stopping the job) leaves a marker file first,
 and a rank that aborts the job after printing why leaves one that covers
 every rank on its host; the first rank that ends *without* a marker is
-named on stderr, with how it ended when the kernel still shows it. On a
-job over several hosts, each host names the first of its own ranks to end:
-the earliest time is the rank that died, the others are the launcher's
-cleanup (after a deliberate abort, an error printed by rank 0 says so).
+named on stderr, with how it ended when the kernel still shows it (all of
+them, if several were already gone when the watcher woke: on a loaded
+machine the launcher's cleanup can be that quick). On a job over several
+hosts, each host names the first of its own ranks to end: the earliest
+time is the rank that died, the others are the launcher's cleanup (after a
+deliberate abort, the error rank 0 printed says so).
 
 Run as a script (``python _rankwatch.py MARKER_DIR HOST RANK:PID ...``): it
 imports nothing but the standard library.
@@ -52,41 +54,53 @@ def _how_it_ended(pid):
 
 def watch(marker_dir, host, ranks):
     """Wait for every (rank, pid) in ``ranks`` to end; name on stderr the first that ends unexplained."""
-    if not hasattr(os, "pidfd_open"):
-        return
+    try:
+        _watch(marker_dir, host, ranks)
+    finally:
+        shutil.rmtree(marker_dir, ignore_errors=True)
+
+
+def _watch(marker_dir, host, ranks):
     poller = select.poll()
     fds, gone = {}, []
     for rank, pid in ranks:
         try:
             fd = os.pidfd_open(pid)
         except ProcessLookupError:
-            gone.append((rank, pid))  # ended before the watcher started
+            gone.append((rank, pid, None))  # ended before the watcher started
             continue
+        except (AttributeError, OSError):
+            return  # no pidfds on this system: nothing can be watched
         fds[fd] = (rank, pid)
         poller.register(fd, select.POLLIN)
-    named = False
-
-    def ended(rank, pid, how):
-        nonlocal named
-        if named or any(os.path.exists(os.path.join(marker_dir, name)) for name in (str(rank), "abort")):
+    pending = gone
+    while fds or pending:
+        if not pending:
+            for fd, _ in poller.poll():
+                rank, pid = fds.pop(fd)
+                poller.unregister(fd)
+                pending.append((rank, pid, _how_it_ended(pid)))  # before the launcher reaps the zombie, if quick
+                os.close(fd)
+        unexplained = [(rank, pid, how) for rank, pid, how in pending
+                       if not any(os.path.exists(os.path.join(marker_dir, name)) for name in (str(rank), "abort"))]
+        pending = []
+        if unexplained:
+            _name(host, sorted(unexplained))
             return
-        named = True
-        when = time.strftime("%H:%M:%S", time.localtime()) + f".{int(time.time() * 1000) % 1000:03d}"
-        print(f"fedlayer: MPI rank {rank} (pid {pid} on {host}) ended at {when} before the job finished"
-              f"{f' ({how})' if how else ''}, without an error of its own: it died. mpiexec then stops the "
-              f"other ranks; its message may name another PID.", file=sys.stderr, flush=True)
 
-    for rank, pid in gone:
-        ended(rank, pid, None)
-    while fds:
-        ready = [fd for fd, _ in poller.poll()]
-        for fd in sorted(ready, key=lambda fd: fds[fd][0]):
-            rank, pid = fds.pop(fd)
-            poller.unregister(fd)
-            how = _how_it_ended(pid)  # before the launcher reaps the zombie, if we are quick enough
-            os.close(fd)
-            ended(rank, pid, how)
-    shutil.rmtree(marker_dir, ignore_errors=True)
+
+def _name(host, ended):
+    """Print which rank(s) ended unexplained; several when they ended before the watcher could tell them apart."""
+    now = time.time()
+    when = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
+    who = ", ".join(f"rank {rank} (pid {pid}{f', {how}' if how else ''})" for rank, pid, how in ended)
+    first = (f"MPI {who} on {host} ended" if len(ended) == 1 else
+             f"MPI {who} on {host} ended together (one of them first; the watcher woke too late to tell which)")
+    try:
+        print(f"fedlayer: {first} at {when}, before the job finished and without an error of their own. mpiexec "
+              f"then stops the other ranks; its message may name another PID.", file=sys.stderr, flush=True)
+    except OSError:
+        pass  # the launcher's end of stderr is gone
 
 
 if __name__ == "__main__":

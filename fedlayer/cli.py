@@ -196,9 +196,10 @@ def cmd_run(args):
         except Exception as err:
             mpi.report_startup_failure(comm, err)
             clients = None
-        status = mpi.serve(comm, clients)
-        mpi.rank_finished(comm)
-        return status
+        try:
+            return mpi.serve(comm, clients)
+        finally:
+            mpi.rank_finished(comm)  # in order, or with its own traceback: not a rank that died
     transport = None if comm is None else mpi.MPITransport(comm, deadline_s=args.mpi_deadline)
     bar = None if args.quiet else _ProgressBar(config.algorithm)
     try:
@@ -206,7 +207,6 @@ def cmd_run(args):
     except BaseException:
         if transport is not None:
             transport.close(status=1)  # stops the workers (aborts the job if a rank hangs)
-            mpi.rank_finished(comm)  # the error that ends the job is rank 0's own, printed below
         raise
     finally:
         if bar is not None:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import os
 import pickle  # noqa: F401  (headers are pickled by mpi4py's lowercase calls)
+import shutil
 import sys
 import time
 import traceback
@@ -100,16 +101,32 @@ def watch_ranks(comm):
     try:
         pairs = host_comm.gather((comm.Get_rank(), os.getpid()), root=0)
         marker_dir = None
-        if host_comm.Get_rank() == 0 and hasattr(os, "pidfd_open"):
-            marker_dir = tempfile.mkdtemp(prefix="fedlayer-ranks-")
-            watcher = Path(__file__).with_name("_rankwatch.py")
-            # A session of its own: mpiexec's cleanup, which kills the ranks, must not take the watcher along.
-            subprocess.Popen([sys.executable, str(watcher), marker_dir, socket.gethostname(),
-                              *(f"{rank}:{pid}" for rank, pid in pairs)],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+        if host_comm.Get_rank() == 0 and _pidfds_work():
+            try:
+                marker_dir = tempfile.mkdtemp(prefix="fedlayer-ranks-")
+                watcher = Path(__file__).with_name("_rankwatch.py")
+                # A session of its own: mpiexec's cleanup, which kills the ranks, must not take the watcher along.
+                subprocess.Popen([sys.executable, str(watcher), marker_dir, socket.gethostname(),
+                                  *(f"{rank}:{pid}" for rank, pid in pairs)],
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+            except OSError as err:  # a diagnostic must not stop the job
+                print(f"fedlayer (MPI rank {comm.Get_rank()}): no watcher of dead ranks on this host ({err})",
+                      file=sys.stderr, flush=True)
+                if marker_dir is not None:
+                    shutil.rmtree(marker_dir, ignore_errors=True)
+                marker_dir = None
         _marker_dir = host_comm.bcast(marker_dir, root=0)
     finally:
         host_comm.Free()
+
+
+def _pidfds_work():
+    """Whether this kernel has pidfd_open (Linux >= 5.3), not only this Python."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return False
+    return True
 
 
 def rank_finished(comm, aborting=False):
@@ -445,6 +462,10 @@ class MPITransport(Transport):
         if self._dead is not None:
             _abort(comm)
         status = 1 if self._failed else status
+        if status:
+            # Marked before the stop: workers told status 1 exit non-zero, and mpiexec may then kill this rank
+            # at once; its error is its own, not a death for the watcher to report.
+            rank_finished(comm)
         for r in self.workers:
             comm.isend({"op": "stop", "status": status}, dest=r, tag=TAG_CMD).Wait()
         waiting = set(self.workers)
@@ -473,6 +494,12 @@ def _abort(comm):
 
 
 # -- worker side ----------------------------------------------------------------
+
+def _test_call_hook(cid, method):
+    """Test-only failure of a call (not a sum): FEDLAYER_TEST_FAIL_CALL=method:cid."""
+    if os.environ.get("FEDLAYER_TEST_FAIL_CALL") == f"{method}:{cid}":
+        raise RuntimeError(f"injected failure of {method} for client {cid} (FEDLAYER_TEST_FAIL_CALL)")
+
 
 def _test_hooks(cid):
     """Test-only failure injection in a sum (environment variables read by the worker)."""
@@ -572,6 +599,7 @@ def serve(comm, clients):
             if stop is not None:
                 break
             try:
+                _test_call_hook(cid, method)
                 result = getattr(clients[cid], method)(**kwargs)
             except Exception as err:
                 error(cid, method, err)

@@ -27,7 +27,7 @@ pytestmark = [
 ]
 
 SMALL = ["--clients", "12", "--groups", "3", "--model", "dnn", "--seed", "0"]
-_TEST_VARS = ("FEDLAYER_TEST_FAIL_CLIENT", "FEDLAYER_TEST_HANG_CLIENT", "FEDLAYER_MPI_CHUNK_BYTES",
+_TEST_VARS = ("FEDLAYER_TEST_FAIL_CLIENT", "FEDLAYER_TEST_FAIL_CALL", "FEDLAYER_TEST_HANG_CLIENT", "FEDLAYER_MPI_CHUNK_BYTES",
               "FEDLAYER_MPI_PACK_UPPER")
 
 
@@ -102,7 +102,7 @@ def test_hundred_clients_on_three_ranks(tmp_path):
     proc = mpirun(["--algorithm", "pfedacnnl", "--clients", "100", "--model", "lr", "--output", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "100 clients" in proc.stdout
-    assert "it died" not in proc.stderr  # an orderly end names no rank
+    assert "without an error of their own" not in proc.stderr  # an orderly end names no rank
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["n_clients"] == 100
     assert all(len(record["clients"]) == 100 for record in results["rounds"].values())
@@ -121,6 +121,15 @@ def test_client_failure_is_a_dropout(tmp_path):
     assert all("5" not in r["clients"] for r in federated)
 
 
+def test_client_error_outside_a_sum_ends_the_job_naming_it():
+    # client 3 (rank 2) fails in personalization, which is not a sum: no dropout there, the job stops in order
+    proc = mpirun(["--algorithm", "pfedacnnl", *SMALL, "--quiet"], timeout=90,
+                  FEDLAYER_TEST_FAIL_CALL="personalize:3")
+    assert proc.returncode != 0
+    assert "client 3 on MPI rank 2 failed in personalize: RuntimeError: injected failure" in proc.stderr
+    assert "without an error of their own" not in proc.stderr  # every rank ended for a reason it printed
+
+
 def test_hung_rank_hits_the_deadline():
     # client 3 lives on rank 2, which then never answers
     proc = mpirun(["--algorithm", "fedacnnl", *SMALL, "--quiet", "--mpi-deadline", "5"], timeout=90,
@@ -128,7 +137,7 @@ def test_hung_rank_hits_the_deadline():
     assert proc.returncode != 0
     assert "no answer from MPI rank(s) [2]" in proc.stderr
     assert "client ids [3," in proc.stderr
-    assert "it died" not in proc.stderr  # rank 0 aborts the job itself: no rank is named as dead
+    assert "without an error of their own" not in proc.stderr  # rank 0 aborts the job itself: no rank is named
 
 
 def _processes_of_job(token):
@@ -186,5 +195,5 @@ def test_dead_rank_is_named():
             proc.kill()
             proc.communicate()
     assert proc.returncode != 0
-    assert f"fedlayer: MPI rank 2 (pid {victim} on " in stderr, stderr[-3000:]
-    assert stderr.count("it died") == 1  # the ranks mpiexec stopped afterwards are not named
+    assert f"fedlayer: MPI rank 2 (pid {victim}" in stderr, stderr[-3000:]
+    assert stderr.count("without an error of their own") == 1  # the ranks mpiexec stopped afterwards are not named
