@@ -32,6 +32,9 @@ import numpy as np
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
 _FORMAT = "fedlayer-checkpoint-2"
+#: Fingerprint keys added after checkpoints of this format were written, with the behaviour before them: an
+#: older checkpoint, which lacks the key, matches a run with that value.
+_ADDED_KEYS = {"gamma_scope": "all"}
 
 
 def _digest(state_json, arrays):
@@ -101,9 +104,9 @@ def load_checkpoint(path, fingerprint):
     if state.get("format") != _FORMAT:
         raise ValueError(f"{path} is not a checkpoint of this fedlayer version (format {state.get('format')!r}, "
                          f"expected {_FORMAT!r}); {start_over}")
-    if state["fingerprint"] != fingerprint:
-        diff = {k: (state["fingerprint"].get(k), v) for k, v in fingerprint.items()
-                if state["fingerprint"].get(k) != v}
+    saved = {**_ADDED_KEYS, **state["fingerprint"]}
+    if saved != fingerprint:
+        diff = {k: (saved.get(k), v) for k, v in fingerprint.items() if saved.get(k) != v}
         raise ValueError(f"checkpoint {path} was written by another configuration: (saved, now) = {diff}; "
                          f"{start_over}")
     group_weights = {int(k): [stored[f"w_{k}_{i}"] for i in range(state["layers_done"])] for k in state["groups"]}

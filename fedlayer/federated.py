@@ -206,7 +206,8 @@ def _secure_sum(transport, secure, args, context, stat_dtype):
     code = FixedPoint(frac_bits, len(alive))
     totals = {key: code.decode(w) for key, w in words.items()}
     totals.update({key: unpack_upper(totals[key]) for key in _UPPER if key in totals})
-    totals = {key: (value.astype(stat_dtype) if value.ndim else float(value)) for key, value in totals.items()}
+    totals = {key: (value.astype(stat_dtype, copy=False) if value.ndim else float(value))
+              for key, value in totals.items()}
     if "rows" in totals:
         totals["rows"] = int(round(totals["rows"]))
     outcome.totals = totals
@@ -443,6 +444,12 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
             if progress:
                 progress(f"layer {position + 1}/{n_layers} personalized, {status()}")
 
+    if rounds[-1]["accuracy"] is None:
+        # Resumed after its last round from a checkpoint of a run that did not evaluate that round
+        # (a personalized run with eval_every): the result needs it.
+        start = time.perf_counter()
+        rounds[-1]["accuracy"] = overall_accuracy(transport)
+        rounds[-1]["eval_s"] = time.perf_counter() - start
     return {
         "groups": {str(cid): k for cid, k in group_of.items()},
         **({"secure": secure_record} if secure_record else {}),

@@ -101,3 +101,26 @@ def test_resume_refuses_another_federated_stage(tmp_path):
     run(RunConfig(algorithm="fedacnnl", clients=10, model="lr", output=str(tmp_path)))
     with pytest.raises(ValueError, match="another configuration.*'fedacnnl', 'pfedacnnl-wp'"):
         run(RunConfig(algorithm="pfedacnnl", clients=10, groups=2, model="lr", output=str(tmp_path), resume=True))
+
+
+def test_resumed_after_its_last_round_the_run_still_reports_its_accuracy(tmp_path):
+    # pfedacnnl-wc with eval_every=10 leaves FedACnnL's last federated round unevaluated in its checkpoint
+    base = dict(dataset="synthetic", model="lr", clients=10, seed=1)
+    run(RunConfig(algorithm="pfedacnnl-wc", output=str(tmp_path / "wc"), eval_every=10, **base))
+    resumed = run(RunConfig(algorithm="fedacnnl", output=str(tmp_path / "fed"), resume=True,
+                            checkpoint=str(tmp_path / "wc" / "checkpoint.npz"), **base))
+    direct = run(RunConfig(algorithm="fedacnnl", output=str(tmp_path / "direct"), **base))
+    assert resumed["accuracy"] is not None
+    assert abs(resumed["accuracy"] - direct["accuracy"]) < 1e-3
+
+
+def test_a_key_added_to_the_fingerprint_matches_its_earlier_behaviour(tmp_path):
+    # checkpoints written before gamma_scope existed behaved as gamma_scope="all"
+    path = tmp_path / "checkpoint.npz"
+    from fedlayer.checkpoint import save_checkpoint
+
+    save_checkpoint(path, fingerprint={"gamma": 100.0}, layers_done=1, group_of={0: 0},
+                    group_weights={0: [np.ones((2, 2))]}, batch={0: 1}, first_durations=None, rounds=[])
+    assert load_checkpoint(path, {"gamma": 100.0, "gamma_scope": "all"})["layers_done"] == 1
+    with pytest.raises(ValueError, match=r"'gamma_scope': \('all', 'group'\)"):
+        load_checkpoint(path, {"gamma": 100.0, "gamma_scope": "group"})
