@@ -81,6 +81,21 @@ def test_overlap_float32_images(rng, g_dtype, block_rows):
     assert_close(C, C_ref, np.float32, n_terms)
 
 
+@pytest.mark.parametrize("method", ["im2col", "overlap"])
+@pytest.mark.parametrize("g_dtype", [np.float32, np.float64])
+def test_strict_lower_triangle_is_never_written(rng, method, g_dtype):
+    # the secure sums and the MPI transport send G's upper triangle only: the lower one must stay as it was
+    images = rng.standard_normal((5, 7, 6, 3)).astype(np.float32)
+    d = 3 * 3 * 3 + 1
+    G0 = np.tril(rng.standard_normal((d, d)), -1).astype(g_dtype)
+    G, C = G0.copy(), np.zeros((d, 2), g_dtype)
+    with fastls.ConvStats(G, C, (7, 6, 3), 3, padding=1, append_ones=True, method=method, block_rows=16) as stats:
+        stats.update(images[:2], rng.standard_normal((2, 2)).astype(np.float32))
+        stats.update(images[2:], rng.standard_normal((3, 2)).astype(np.float32))
+    np.testing.assert_array_equal(np.tril(G, -1), np.tril(G0, -1))
+    assert np.abs(np.triu(G)).max() > 0
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_batches_through_conv_stats_equal_one_call(rng, dtype):
     images = rng.standard_normal((11, 7, 7, 4)).astype(dtype)
