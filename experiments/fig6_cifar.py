@@ -10,10 +10,19 @@ kept as ``RUNS/ALGORITHM.json`` and is not run again (``--redo`` forces it),
 so the five can be spread over several sessions; ``--report`` only rebuilds
 fig6.md and fig6_accuracy.png from the runs at hand.
 
--WP is pFedACnnL before its personalization stage: its accuracy and times are
-those of pFedACnnL's initialization and federated rounds (the same
-computation, measured once). -WA runs by itself: its batch sizes differ, so
-its time must be measured, although its weights equal FedACnnL's.
+Variants whose stages coincide share them (each stage's time is measured
+once, on the run that computes it):
+
+- -WP is pFedACnnL before its personalization stage: its accuracy and times
+  are those of pFedACnnL's initialization and federated rounds.
+- -WC trains FedACnnL's federated stage (one group, eq. 7) and personalizes
+  it: it resumes from FedACnnL's checkpoint (``WORK/fedacnnl/checkpoint.npz``,
+  whose round records hold that stage's measured times) and runs only its
+  personalization; without that checkpoint it runs whole.
+- -WA runs by itself, because its batch sizes differ, so its time must be
+  measured; its weights equal FedACnnL's, so it is evaluated after its last
+  round only (``--eval-every 5``), and its accuracy per round is FedACnnL's
+  once the final accuracies are found equal.
 
 Per layer, the report sets the clients' forward and statistics time against
 a floor: the layer's multiply-adds (forward pass of the training data
@@ -36,6 +45,7 @@ import numpy as np
 
 import fastls
 from dev_layout import use_shared_data
+from fedlayer.checkpoint import load_checkpoint
 from fedlayer.models import build_model
 from fedlayer.run import RunConfig, load_dataset, run
 from fedlayer.timing import time_summary
@@ -58,9 +68,42 @@ def gemm_rate(n=4096, repeats=3):
     return 2.0 * n ** 3 / best
 
 
+N_LAYERS = 5  # trainable layers of the DCNN
+SHARED_STAGE = {"pfedacnnl-wc": "fedacnnl"}  # run -> the run whose federated stage it resumes from
+SAME_WEIGHTS = {"fedacnnl-wa": "fedacnnl"}   # run -> the run whose weights (and accuracy per round) it has
+
+
 def config_for(algorithm, args, output=None):
+    extra = {}
+    if algorithm in SAME_WEIGHTS:
+        extra["eval_every"] = N_LAYERS
+    shared = shared_checkpoint(algorithm, args)
+    if shared is not None:
+        extra.update(checkpoint=str(shared), resume=True)
     return RunConfig(algorithm=algorithm, dataset="cifar10", model="dcnn", width=args.width, dtype="float32",
-                     seed=args.seed, cores=[2], output=output, conv_targets=args.conv_targets)
+                     seed=args.seed, cores=[2], output=output, conv_targets=args.conv_targets, **extra)
+
+
+def shared_checkpoint(algorithm, args):
+    """The checkpoint of the run whose federated stage ``algorithm`` shares, when it holds that whole stage.
+
+    Only a checkpoint written by this configuration (its fingerprint) with
+    every layer trained counts; else ``algorithm`` runs whole.
+    """
+    source = SHARED_STAGE.get(algorithm)
+    if source is None or not (Path(args.runs) / f"{source}.json").exists():
+        return None
+    checkpoint = Path(args.work) / source / "checkpoint.npz"
+    if not checkpoint.exists():
+        return None
+    fingerprint = RunConfig(algorithm=algorithm, dataset="cifar10", model="dcnn", width=args.width,
+                            dtype="float32", seed=args.seed, cores=[2], conv_targets=args.conv_targets).fingerprint()
+    try:
+        state = load_checkpoint(checkpoint, fingerprint)
+    except ValueError as err:
+        print(f"{algorithm}: not resuming from {checkpoint} ({err})", flush=True)
+        return None
+    return checkpoint if state["layers_done"] == N_LAYERS else None
 
 
 def run_one(algorithm, args):
@@ -72,6 +115,10 @@ def run_one(algorithm, args):
     start = time.perf_counter()
     results = run(config, dataset=dataset, progress=lambda msg: print(f"  {algorithm}: {msg}", flush=True))
     results.pop("group_weights", None)
+    if config.resume:
+        source = json.loads((runs / f"{SHARED_STAGE[algorithm]}.json").read_text())["fig6"]
+        results["fig6_shared_stage"] = {"from": SHARED_STAGE[algorithm], "checkpoint": config.checkpoint,
+                                        "wall_s": source["wall_s"], "peak_rss_bytes": source["peak_rss_bytes"]}
     results["fig6"] = {
         "wall_s": time.perf_counter() - start,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -141,18 +188,37 @@ def report(args):
         "wall (s) | peak RSS (GiB) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    notes = []
     for algorithm, results in runs.items():
         t, f = results["time_per_client"], results["fig6"]
         wall = f"{f['wall_s']:.0f}" if f.get("wall_s") else "(in pfedacnnl)"
+        rss = f["peak_rss_bytes"]
+        shared = results.get("fig6_shared_stage")
+        if shared:
+            wall = f"{shared['wall_s']:.0f} + {f['wall_s']:.0f}"
+            rss = max(rss, shared["peak_rss_bytes"])
+            notes.append(f"{algorithm}: its federated stage is {shared['from']}'s run (resumed from its checkpoint; "
+                         f"wall time {shared['from']}'s + its own personalization's, times per client over both "
+                         f"stages, peak memory the larger of the two processes').")
         lines.append(
             f"| {algorithm} | {100 * results['accuracy']:.2f} | {PAPER.get(algorithm, '-')} | {t['total_s']:.1f} | "
-            f"{t['compute_s']:.1f} | {t['idle_s']:.1f} | {t['comm_s']:.3f} | {wall} | "
-            f"{f['peak_rss_bytes'] / 2**30:.2f} |")
-    lines += ["", f"FedAvg in the paper: {PAPER_FEDAVG} %.", ""]
+            f"{t['compute_s']:.1f} | {t['idle_s']:.1f} | {t['comm_s']:.3f} | {wall} | {rss / 2**30:.2f} |")
+    lines += [""] + [f"- {note}" for note in notes] + ([""] if notes else [])
+    lines += [f"FedAvg in the paper: {PAPER_FEDAVG} %.", ""]
 
     curves = {}
     for algorithm, results in runs.items():
-        accs = [r["accuracy"] for r in results["rounds"].values() if r["accuracy"] is not None]
+        accs = [r["accuracy"] for r in results["rounds"].values() if r["stage"] != "initialization"]
+        source = SAME_WEIGHTS.get(algorithm)
+        if None in accs and source in curves:
+            if runs[source]["accuracy"] == results["accuracy"]:
+                lines += [f"{algorithm} is evaluated after its last round only (its wall time has no evaluations of "
+                          f"the earlier rounds); its final accuracy equals {source}'s (the same weights), so its "
+                          f"curve below is {source}'s.", ""]
+                accs = curves[source][:len(accs)]
+            else:
+                lines += [f"{algorithm} is evaluated after its last round only, and its final accuracy differs from "
+                          f"{source}'s: its earlier rounds are left blank.", ""]
         curves[algorithm] = accs + [accs[-1]] * (10 - len(accs))
     width = max(len(c) for c in curves.values())
     lines += [
@@ -162,7 +228,8 @@ def report(args):
         "| algorithm | " + " | ".join(str(i + 1) for i in range(width)) + " |",
         "|---" * (1 + width) + "|",
     ]
-    lines += [f"| {a} | " + " | ".join(f"{100 * v:.1f}" for v in c) + " |" for a, c in curves.items()]
+    lines += [f"| {a} | " + " | ".join("-" if v is None else f"{100 * v:.1f}" for v in c) + " |"
+              for a, c in curves.items()]
 
     for algorithm, results in runs.items():
         if results["fig6"].get("derived"):
@@ -211,7 +278,8 @@ def plot(curves, path, width):
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for algorithm, curve in curves.items():
-        ax.plot(range(1, len(curve) + 1), [100 * v for v in curve], marker="o", label=algorithm)
+        ax.plot(range(1, len(curve) + 1), [np.nan if v is None else 100 * v for v in curve], marker="o",
+                label=algorithm)
     for algorithm, value in PAPER.items():
         if algorithm in curves:
             ax.axhline(value, ls=":", lw=0.8, color=ax.lines[list(curves).index(algorithm)].get_color())
