@@ -35,6 +35,9 @@ _FORMAT = "fedlayer-checkpoint-2"
 #: Fingerprint keys added after checkpoints of this format were written, with the behaviour before them: an
 #: older checkpoint, which lacks the key, matches a run with that value.
 _ADDED_KEYS = {"gamma_scope": "all"}
+#: Fingerprint values renamed after checkpoints of this format were written: "algorithm" used to name the run's
+#: algorithm and now names the one whose federated stage it trains, which a personalized run shares.
+_RENAMED_VALUES = {"algorithm": {"pfedacnnl": "pfedacnnl-wp", "pfedacnnl-wc": "fedacnnl"}}
 
 
 def _digest(state_json, arrays):
@@ -105,6 +108,7 @@ def load_checkpoint(path, fingerprint):
         raise ValueError(f"{path} is not a checkpoint of this fedlayer version (format {state.get('format')!r}, "
                          f"expected {_FORMAT!r}); {start_over}")
     saved = {**_ADDED_KEYS, **state["fingerprint"]}
+    saved.update({key: renamed.get(saved[key], saved[key]) for key, renamed in _RENAMED_VALUES.items() if key in saved})
     if saved != fingerprint:
         diff = {k: (saved.get(k), v) for k, v in fingerprint.items() if saved.get(k) != v}
         raise ValueError(f"checkpoint {path} was written by another configuration: (saved, now) = {diff}; "

@@ -124,3 +124,16 @@ def test_a_key_added_to_the_fingerprint_matches_its_earlier_behaviour(tmp_path):
     assert load_checkpoint(path, {"gamma": 100.0, "gamma_scope": "all"})["layers_done"] == 1
     with pytest.raises(ValueError, match=r"'gamma_scope': \('all', 'group'\)"):
         load_checkpoint(path, {"gamma": 100.0, "gamma_scope": "group"})
+
+
+@pytest.mark.parametrize("written_by, stage", [("pfedacnnl", "pfedacnnl-wp"), ("pfedacnnl-wc", "fedacnnl")])
+def test_a_checkpoint_naming_its_run_resumes_as_the_stage_it_trained(tmp_path, written_by, stage):
+    # before the fingerprint named the federated stage, a personalized run's checkpoint named the run itself
+    path = tmp_path / "checkpoint.npz"
+    from fedlayer.checkpoint import save_checkpoint
+
+    save_checkpoint(path, fingerprint={"algorithm": written_by}, layers_done=1, group_of={0: 0},
+                    group_weights={0: [np.ones((2, 2))]}, batch={0: 1}, first_durations=None, rounds=[])
+    assert load_checkpoint(path, {"algorithm": stage, "gamma_scope": "all"})["layers_done"] == 1
+    with pytest.raises(ValueError, match="another configuration"):
+        load_checkpoint(path, {"algorithm": "acnnl", "gamma_scope": "all"})
