@@ -226,6 +226,13 @@ def _secure_sum(transport, secure, args, context, stat_dtype):
 _SHARE_BYTES = 82
 
 
+def _shareable(W, dtype):
+    """W contiguous in ``dtype`` and read-only: clients in this process share it instead of copying it."""
+    W = np.ascontiguousarray(W, dtype=dtype)
+    W.flags.writeable = False
+    return W
+
+
 def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500.0, groups=10, seed=0,
                  batch_size=64, max_batch_size=1024, clock=Clock(), stat_dtype=np.float64, progress=None,
                  checkpoint=None, resume=None, fingerprint=None, target_bases=None, gamma_scope="all",
@@ -340,7 +347,7 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
     if resume is not None:
         layers_done = resume["layers_done"]
         batch, first_durations = resume["batch"], resume["first_durations"]
-        group_weights = resume["group_weights"]
+        group_weights = {k: [_shareable(W, stat_dtype) for W in layers] for k, layers in resume["group_weights"].items()}
         for position in range(layers_done):
             set_args = {cid: {"position": position, "weights": group_weights[group_of[cid]][position]} for cid in cids}
             for _ in transport.call("set_weights", set_args):
@@ -353,9 +360,7 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         pending, pooled = {}, None  # pooled gamma: each group's sums, and their total
 
         def install(k, W):
-            # Read-only: clients in this process share it instead of copying it.
-            weights[k] = np.ascontiguousarray(W, dtype=stat_dtype)
-            weights[k].flags.writeable = False
+            weights[k] = _shareable(W, stat_dtype)
             group_weights[k].append(weights[k])
 
         # One group at a time: the server holds one group's sums and one

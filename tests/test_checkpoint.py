@@ -137,3 +137,26 @@ def test_a_checkpoint_naming_its_run_resumes_as_the_stage_it_trained(tmp_path, w
     assert load_checkpoint(path, {"algorithm": stage, "gamma_scope": "all"})["layers_done"] == 1
     with pytest.raises(ValueError, match="another configuration"):
         load_checkpoint(path, {"algorithm": "acnnl", "gamma_scope": "all"})
+
+
+def test_resumed_clients_share_the_checkpointed_weights(tmp_path, monkeypatch):
+    # at full DCNN width a group's weights are 490 MB: a copy per client in one process would not fit in memory
+    from fedlayer.client import Client
+
+    base = dict(dataset="synthetic", model="dnn", clients=6, seed=3)
+    run(RunConfig(algorithm="fedacnnl", output=str(tmp_path / "fed"), **base))
+    installed = {}
+    set_weights = Client.set_weights
+
+    def recording(self, position, weights):
+        out = set_weights(self, position, weights)
+        installed.setdefault(position, []).append(self.model.layers[self.model.trainable[position]].weights)
+        return out
+
+    monkeypatch.setattr(Client, "set_weights", recording)
+    run(RunConfig(algorithm="pfedacnnl-wc", output=str(tmp_path / "wc"), resume=True,
+                  checkpoint=str(tmp_path / "fed" / "checkpoint.npz"), **base))
+    assert sorted(installed) == [0, 1, 2]
+    for position, arrays in installed.items():
+        assert len(arrays) == 6
+        assert all(np.shares_memory(arrays[0], other) for other in arrays[1:]), position
