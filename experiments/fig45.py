@@ -1,6 +1,7 @@
 """Fig. 4/5: accuracy per round and averaged total training time per client.
 
     python experiments/fig45.py --dataset mnist [--seeds 0 1 2] [--budget N [ALGORITHM=N ...]] [--out docs/results]
+        [--algorithms ...] [--forward batch|cached] [--tag TAG]
 
 Runs FedACnnL, FedACnnL-WA, FedAvg, FedZO and BAFFLE on the same data,
 splits, DNN, client cores and clock. The paper trains the baselines for 20
@@ -11,7 +12,11 @@ from the measured per-round time.
 With several seeds (each draws its own data split, client cores and
 initialization) the table gives the mean over seeds with each seed's values,
 and the idle-time ratio of FedACnnL to FedACnnL-WA per seed.
-Writes fig45_<dataset>.json, .md and two PNGs.
+The analytic methods forward every batch from the input layer, as the
+paper's Algorithm 1 does (``--forward batch``), so that eq. (7)'s batch sizes
+act on the forward passes too, as the paper's timings assume; ``--forward
+cached`` times the project's default instead. Writes
+fig45_<dataset>[_TAG].json, .md and two PNGs.
 """
 
 from __future__ import annotations
@@ -46,10 +51,15 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--algorithms", nargs="+", default=ANALYTIC + BASELINE)
+    parser.add_argument("--forward", choices=["batch", "cached"], default="batch",
+                        help="the analytic methods' forward passes: every batch from the input layer, as in the "
+                             "paper's Algorithm 1 (default), or the cached activations of the layer before")
+    parser.add_argument("--tag", default="", help="suffix of the output files' names (fig45_DATASET_TAG.md, ...)")
     args = parser.parse_args()
     use_shared_data()  # the checkout's ../shared/data unless FEDLAYER_DATA_DIR says otherwise
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    name = args.dataset + (f"_{args.tag}" if args.tag else "")
     paper_rounds = PAPER_ROUNDS[args.dataset]
     rounds = {algorithm: paper_rounds for algorithm in BASELINE}
     for entry in args.budget:
@@ -70,7 +80,8 @@ def main():
         for algorithm in args.algorithms:
             budget = rounds.get(algorithm)
             config = RunConfig(algorithm=algorithm, dataset=args.dataset, model="dnn", seed=seed, rounds=budget,
-                               eval_every=args.eval_every or max(1, (budget or 1) // 50))
+                               eval_every=args.eval_every or max(1, (budget or 1) // 50),
+                               forward=args.forward if algorithm in ANALYTIC else "cached")
             results = run(config, dataset=dataset)
             for in_memory in ("group_weights", "params"):  # arrays: kept out of the JSON
                 results.pop(in_memory, None)
@@ -78,7 +89,7 @@ def main():
             t = results["time_per_client"]
             print(f"seed {seed} {algorithm}: accuracy {results['accuracy']:.4f}, total/client {t['total_s']:.2f} s, "
                   f"idle {t['idle_s']:.3f} s, wall {results['wall_s']:.0f} s", flush=True)
-        with open(out / f"fig45_{args.dataset}.json", "w") as f:
+        with open(out / f"fig45_{name}.json", "w") as f:
             json.dump({str(k): v for k, v in by_seed.items()}, f, indent=1)
 
     def total(runs, algorithm, extrapolate=True):
@@ -100,11 +111,14 @@ def main():
         f"# Fig. 4/5 on {args.dataset}-DNN",
         "",
         f"Command: `python experiments/fig45.py --dataset {args.dataset} --seeds {seed_text}"
-        + (f" --budget {' '.join(args.budget)}" if args.budget else "") + f"` on "
+        + (f" --budget {' '.join(args.budget)}" if args.budget else "")
+        + (f" --algorithms {' '.join(args.algorithms)}" if args.algorithms != ANALYTIC + BASELINE else "")
+        + f" --forward {args.forward}" + (f" --tag {args.tag}" if args.tag else "") + f"` on "
         f"{platform.machine()}, {fastls.available_cores()} cores (clients run one at a time, each under its own "
-        f"core limit of 1-{fastls.available_cores()}), 100 clients, simulated 100 Gbit/s links. Baselines: "
-        + ", ".join(f"{a} {rounds[a]}" for a in BASELINE if a in algorithms)
-        + f" rounds (paper: {paper_rounds}); hyperparameters in `fedlayer/baselines/hyper.py`."
+        f"core limit of 1-{fastls.available_cores()}), 100 clients, simulated 100 Gbit/s links."
+        + (" Baselines: " + ", ".join(f"{a} {rounds[a]}" for a in BASELINE if a in algorithms)
+           + f" rounds (paper: {paper_rounds}); hyperparameters in `fedlayer/baselines/hyper.py`."
+           if set(BASELINE) & set(algorithms) else "")
         + (f" Mean over seeds {', '.join(map(str, seeds))}, then each seed's value in brackets." if len(seeds) > 1
            else ""),
         "",
@@ -146,13 +160,13 @@ def main():
                                                    .values()]) for s_ in seeds])) for a in ("fedacnnl", "fedacnnl-wa")}
                 lines.append(f"| {key} | {idle['fedacnnl']:.4f} | {idle['fedacnnl-wa']:.4f} | "
                              f"{idle['fedacnnl'] / idle['fedacnnl-wa']:.2f} |")
-    (out / f"fig45_{args.dataset}.md").write_text("\n".join(lines) + "\n")
+    (out / f"fig45_{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    _plots(by_seed, out, args.dataset)
+    _plots(by_seed, out, args.dataset, name)
     return 0
 
 
-def _plots(by_seed, out, dataset):
+def _plots(by_seed, out, dataset, name):
     """Fig. 4 from the first seed's curves; Fig. 5 as the mean over seeds with each seed's range."""
     import matplotlib
 
@@ -172,7 +186,7 @@ def _plots(by_seed, out, dataset):
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / f"fig4_{dataset}_accuracy.png", dpi=120)
+    fig.savefig(out / f"fig4_{name}_accuracy.png", dpi=120)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -189,7 +203,7 @@ def _plots(by_seed, out, dataset):
     ax.set_title(f"{dataset}-DNN")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / f"fig5_{dataset}_time.png", dpi=120)
+    fig.savefig(out / f"fig5_{name}_time.png", dpi=120)
     plt.close(fig)
 
 

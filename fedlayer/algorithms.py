@@ -130,7 +130,7 @@ class AnalyticAlgorithm(Algorithm):
         return Client(cid, data, model_config, config.seed, n_classes, cores, np.float64, cache_dir=cache_dir,
                       conv_targets=config.conv_targets, eps_criterion=config.eps_criterion,
                       drop_probability=config.drop_clients, round_deadline_s=config.round_deadline,
-                      h_noise=config.h_noise)
+                      h_noise=config.h_noise, forward=config.forward)
 
     def train(self, config, transport, model, clock, progress):
         resume_state = None
@@ -205,9 +205,10 @@ class BaselineAlgorithm(Algorithm):
 
     def check_config(self, config):
         check_param("model", config.model, [Options(*MODEL_HIDDEN)])
-        if config.drop_clients or config.round_deadline is not None or config.secure or config.h_noise:
-            raise ValueError(f"drop_clients, round_deadline, secure and h_noise apply to the analytic methods; "
-                             f"{self.name!r} takes none of them")
+        if config.drop_clients or config.round_deadline is not None or config.secure or config.h_noise \
+                or config.forward != "cached":
+            raise ValueError(f"drop_clients, round_deadline, secure, h_noise and forward apply to the analytic "
+                             f"methods; {self.name!r} takes none of them")
         baseline_hyper(self.name, config.dataset, config.model, **(config.hyper or {}))  # names unknown keys
 
     def make_client(self, cid, data, config, n_classes, model_config, cores):

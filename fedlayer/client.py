@@ -75,6 +75,9 @@ def _shared_encoders(seed, n_classes, widths):
 
 CONV_TARGETS = ("position", "image")
 EPS_CRITERIA = ("loo", "loo_class")
+#: Where a round's statistics get their layer inputs: the cached activations of the layer before (each sample
+#: passes each trained layer once per stage), or each batch's own forward pass from the input (Algorithm 1, line 8).
+FORWARD_MODES = ("cached", "batch")
 
 
 def encoder_widths(model, conv_targets="position"):
@@ -212,6 +215,13 @@ class Client:
     conv_targets : {"position", "image"}, default="position"
         How a convolution's targets encode the label (:func:`encoder_widths`):
         a code per output position, or one code per image.
+    forward : {"cached", "batch"}, default="cached"
+        Where the statistics of a round get the layer's inputs. "cached":
+        from the cached inputs of the layer before, moved one layer forward
+        once per round (the fastest). "batch": every batch of the round goes
+        forward from the input layer through all trained layers, as in the
+        paper's Algorithm 1 (line 8), so the batch size of eq. (7) shapes
+        the forward passes as well as the products; for timing studies.
     eps_criterion : {"loo", "loo_class"}, default="loo"
         What ``eps="auto"`` minimizes where it takes leave-one-out: the squared
         error of the targets, or the error rate of the class decision
@@ -230,7 +240,7 @@ class Client:
     def __init__(self, client_id, data: ClientData, model_config, seed, n_classes, cores=1,
                  stat_dtype=np.float64, scratch_bytes=CLIENT_SCRATCH_BYTES, cache_dir=None,
                  cache_ram_bytes=16 * 2**20, conv_targets="position", eps_criterion="loo", drop_probability=0.0,
-                 round_deadline_s=None, h_noise=0.0):
+                 round_deadline_s=None, h_noise=0.0, forward="cached"):
         self.client_id = int(client_id)
         self.data = data
         self.model = Model.from_config(model_config)
@@ -244,6 +254,9 @@ class Client:
         if eps_criterion not in EPS_CRITERIA:
             raise ValueError(f"eps_criterion must be one of {EPS_CRITERIA}, got {eps_criterion!r}")
         self.eps_criterion = eps_criterion
+        if forward not in FORWARD_MODES:
+            raise ValueError(f"forward must be one of {FORWARD_MODES}, got {forward!r}")
+        self.forward = forward
         if not 0.0 <= drop_probability < 1.0:
             raise ValueError(f"drop_probability must be in [0, 1), got {drop_probability!r}")
         self.drop_probability = float(drop_probability)
@@ -407,8 +420,10 @@ class Client:
         layer_index = self.model.trainable[position]
         layer = self.model.layers[layer_index]
         n_in, n_out = layer.ls_shape(self.model.input_shape_of(layer_index))
+        per_batch = self.forward == "batch"
         start = time.perf_counter()
-        x = self._layer_inputs("train", layer_index)
+        x = self.data.x_train if per_batch else self._layer_inputs("train", layer_index)
+        forward_rows = self._forward_rows(0, layer_index) if per_batch else None
         forward_s = time.perf_counter() - start
         G = np.zeros((n_in, n_in), dtype=self.stat_dtype)
         C = np.zeros((n_in, n_out), dtype=self.stat_dtype)
@@ -420,8 +435,13 @@ class Client:
                 # Sorted within a batch: the rows are read in file order from a memory map.
                 batch = np.sort(order[first:first + batch_size])
                 labels = self.data.y_train[batch]
+                rows = x[batch]
+                if per_batch:
+                    begin = time.perf_counter()
+                    rows = self.model.forward(rows, layer_index, forward_rows)
+                    forward_s += time.perf_counter() - begin
                 # Codes per position go in as one-hot coordinates of the basis.
-                stats.update(x[batch], self._targets(position, labels) if basis is None
+                stats.update(rows, self._targets(position, labels) if basis is None
                              else one_hot(labels, self.n_classes, dtype=self.model.dtype))
         return G, C, forward_s, time.perf_counter() - start - forward_s
 

@@ -27,7 +27,7 @@ import fastls
 
 from ._validation import Boolean, InstanceOf, Interval, ListOf, Options, check_params
 from .algorithms import ALGORITHMS
-from .client import CONV_TARGETS, EPS_CRITERIA, Client
+from .client import CONV_TARGETS, EPS_CRITERIA, FORWARD_MODES, Client
 from .data import KNOWN_DATASETS, ClientData, load_federated
 from .models import KNOWN_MODELS, build_model
 from .timing import Clock, time_summary
@@ -56,6 +56,7 @@ CONFIG_CONSTRAINTS = {
     "max_batch_size": _POSITIVE_INT,
     "width": _POSITIVE,
     "conv_targets": [Options(*CONV_TARGETS)],
+    "forward": [Options(*FORWARD_MODES)],
     "dtype": [Options("float32", "float64")],
     "cores": [None, ListOf(Interval(int, 1, None))],
     "bandwidth_gbps": _POSITIVE,
@@ -102,6 +103,7 @@ class RunConfig:
     max_batch_size: int = 1024   # B_max
     width: float = 1.0           # channel multiplier of the DCNN
     conv_targets: str = "position"  # a convolution's label code: one per output position, or one per "image"
+    forward: str = "cached"      # layer inputs of a round: cached activations, or each "batch" from the input layer
     dtype: str = "float64"       # data and model dtype; statistics are float64
     cores: list[int] | None = None   # per-client cores (cycled); None = random 1..available per seed
     bandwidth_gbps: float = 100.0
@@ -203,7 +205,7 @@ def make_clients(config: RunConfig, dataset, model_config, client_ids=None):
     cores = client_cores(len(dataset.clients), config.seed, config.cores)
     if algorithm.centralized:
         return [Client(0, _pooled(dataset), model_config, config.seed, dataset.n_classes, max(cores), np.float64,
-                       conv_targets=config.conv_targets, eps_criterion=config.eps_criterion)]
+                       conv_targets=config.conv_targets, eps_criterion=config.eps_criterion, forward=config.forward)]
     ids = range(len(dataset.clients)) if client_ids is None else client_ids
     clients = []
     for cid in ids:

@@ -35,8 +35,8 @@ def dnn_config(d):
     return build_model("dnn", (d,), N_CLASSES, width=0.25).config()
 
 
-def run_clients(datas, variant, *, config, batch_size=8, order=None, **kwargs):
-    clients = [Client(i, data, config, seed=3, n_classes=N_CLASSES) for i, data in enumerate(datas)]
+def run_clients(datas, variant, *, config, batch_size=8, order=None, forward="cached", **kwargs):
+    clients = [Client(i, data, config, seed=3, n_classes=N_CLASSES, forward=forward) for i, data in enumerate(datas)]
     if order is not None:
         clients = [clients[i] for i in order]
     transport = InProcessTransport(clients)
@@ -53,7 +53,7 @@ def run_clients(datas, variant, *, config, batch_size=8, order=None, **kwargs):
     data=st.data(),
 )
 def test_fedacnnl_equals_centralized_acnnl(n_clients, seed, adaptive, data):
-    """The weight-invariant property: any partition, batch sizes and client order give ACnnL's weights."""
+    """The weight-invariant property: any partition, batch sizes, client order and forward mode give ACnnL's weights."""
     rng = np.random.default_rng(seed)
     x, y = make_data(rng)
     config = dnn_config(x.shape[1])
@@ -65,7 +65,8 @@ def test_fedacnnl_equals_centralized_acnnl(n_clients, seed, adaptive, data):
     batches = {i: data.draw(st.integers(1, 64)) for i in range(n_clients)}
     order = data.draw(st.permutations(range(n_clients)))
     federated, _ = run_clients([client_data(x, y, p) for p in parts], Variant(adaptive=adaptive), config=config,
-                               batch_size=batches, max_batch_size={i: 64 for i in range(n_clients)}, order=order)
+                               batch_size=batches, max_batch_size={i: 64 for i in range(n_clients)}, order=order,
+                               forward=data.draw(st.sampled_from(["cached", "batch"])))
     for W_fed, W_central in zip(federated["group_weights"][0], central["group_weights"][0]):
         assert_close(W_fed, W_central, np.float64, rtol=1e-10)
 

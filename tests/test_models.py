@@ -615,6 +615,36 @@ def test_client_cache_equals_recompute(rng, tmp_path, cache_ram_bytes):
         assert client.evaluate()["correct"] == reference.accuracy(client.data.x_test, client.data.y_test)[0]
 
 
+@pytest.mark.parametrize("batch_size", [1, 5, 64])
+def test_batch_forward_equals_the_cached_one(rng, tmp_path, batch_size):
+    """forward="batch" (Algorithm 1, line 8: each batch from the input layer) sums the same statistics."""
+    cached = _small_cnn_client(rng, 0, tmp_path / "cached")
+    per_batch = _small_cnn_client(np.random.default_rng(rng.integers(2**32)), 0, tmp_path / "batch")
+    per_batch.data, per_batch.forward = cached.data, "batch"
+    for position in range(len(cached.model.trainable)):
+        expected, got = cached.local_stats(position, batch_size), per_batch.local_stats(position, batch_size)
+        assert_close(np.triu(got["G"]), np.triu(expected["G"]), np.float64, cached.data.n_train)
+        assert_close(got["C"], expected["C"], np.float64, cached.data.n_train)
+        assert got["parts"]["forward_s"] > 0
+        W = fastls.ridge_solve(expected["G"], expected["C"], 10.0)
+        cached.set_weights(position, W)
+        per_batch.set_weights(position, W)
+    assert not list((tmp_path / "batch").glob("*.npy"))  # nothing cached for the rounds
+
+
+def test_forward_mode_is_checked(rng, tmp_path):
+    from fedlayer.client import Client
+    from fedlayer.run import RunConfig
+
+    client = _small_cnn_client(rng, 0, tmp_path)
+    with pytest.raises(ValueError, match=r"forward must be one of \('cached', 'batch'\), got 'lazy'"):
+        Client(0, client.data, client.model.config(), 0, 4, forward="lazy")
+    with pytest.raises(ValueError, match="forward"):
+        RunConfig(forward="lazy").validate()
+    with pytest.raises(ValueError, match="forward apply to the analytic methods"):
+        RunConfig(algorithm="fedavg", forward="batch").validate()
+
+
 def test_personalization_takes_the_dual_where_rows_are_few(rng, tmp_path):
     client = _small_cnn_client(rng, 2**30, tmp_path)
     for position in range(len(client.model.trainable)):
