@@ -247,14 +247,32 @@ def keystream_words(key, n_words):
     return np.frombuffer(encryptor.update(bytes(8 * n_words)), dtype=np.uint64)  # zeros in: the keystream out
 
 
+_CHUNK_WORDS = 1 << 14  # 128 KiB: a chunk of the sum and of one keystream stay in cache together
+_ZEROS = bytes(8 * _CHUNK_WORDS)
+
+
 def _add_masks(flat, key_sign_pairs):
-    """flat += sum of sign * PRG(key) over the pairs, in Z_2^64 (in place)."""
-    for key, sign in key_sign_pairs:
-        words = keystream_words(key, flat.size)
-        if sign > 0:
-            flat += words
-        else:
-            flat -= words
+    """flat += sum of sign * PRG(key) over the pairs, in Z_2^64 (in place).
+
+    The same words as adding each :func:`keystream_words` in turn, chunk by
+    chunk: every keystream is written into one reused buffer and added while
+    the chunk of ``flat`` is still in cache, instead of streaming ``flat`` and
+    a fresh keystream through memory once per pair.
+    """
+    crypto = _crypto()
+    streams = [(crypto.Cipher(crypto.algorithms.AES(key), crypto.modes.CTR(b"\0" * 16)).encryptor(), sign > 0)
+               for key, sign in key_sign_pairs]
+    buffer = bytearray(8 * _CHUNK_WORDS + 15)  # update_into wants room for a block beyond the data
+    zeros = memoryview(_ZEROS)
+    for start in range(0, flat.size, _CHUNK_WORDS):
+        part = flat[start:start + _CHUNK_WORDS]
+        for encryptor, add in streams:
+            encryptor.update_into(zeros[:8 * part.size], buffer)
+            words = np.frombuffer(buffer, dtype=np.uint64, count=part.size)
+            if add:
+                part += words
+            else:
+                part -= words
     return flat
 
 

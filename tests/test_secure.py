@@ -127,6 +127,21 @@ def test_keystream_is_aes256_ctr(rng):
     assert not np.array_equal(keystream_words(bytes(32), n_words), expected)
 
 
+@pytest.mark.parametrize("n_words", [1, 3, (1 << 14) - 1, 1 << 14, 2 * (1 << 14) + 5])
+def test_masks_are_added_chunk_by_chunk_as_whole_keystreams(rng, n_words):
+    from fedlayer.secure import _add_masks
+
+    flat = rng.integers(0, 2**63, n_words, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    pairs = [(bytes(rng.integers(0, 256, 32, dtype=np.uint8)), sign) for sign in (+1, -1, -1, +1)]
+    expected = flat.copy()
+    for key, sign in pairs:
+        if sign > 0:
+            expected += keystream_words(key, n_words)
+        else:
+            expected -= keystream_words(key, n_words)
+    np.testing.assert_array_equal(_add_masks(flat, pairs), expected)
+
+
 def test_packed_upper_triangle_round_trips(rng):
     G = np.triu(rng.standard_normal((7, 7)))
     packed = pack_upper(G)
