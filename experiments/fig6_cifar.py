@@ -19,6 +19,10 @@ once, on the run that computes it):
   it: it resumes from FedACnnL's checkpoint (``WORK/fedacnnl/checkpoint.npz``,
   whose round records hold that stage's measured times) and runs only its
   personalization; without that checkpoint it runs whole.
+- A run that ended after its federated stage without writing its JSON
+  (killed while personalizing or saving) resumes from its own checkpoint
+  (``WORK/ALGORITHM/checkpoint.npz``) and only personalizes; that stage's
+  wall time is then the sum of the parts its rounds measured.
 - -WA runs by itself, because its batch sizes differ, so its time must be
   measured; its weights equal FedACnnL's, so it is evaluated after its last
   round only (``--eval-every 5``), and its accuracy per round is FedACnnL's
@@ -212,6 +216,7 @@ def report(args):
         rss = f["peak_rss_bytes"]
         shared = results.get("fig6_shared_stage")
         if shared and f.get("derived"):
+            rss = shared["peak_rss_bytes"]  # the process that trained the stage, when recorded
             notes.append(f"{algorithm}: wall time = {shared['from']}'s federated stage ({shared['wall']}).")
         if shared and not f.get("derived"):
             wall = f"{shared['wall_s']:.0f} + {f['wall_s']:.0f}"
@@ -223,7 +228,8 @@ def report(args):
                          f"+ its own personalization's; times per client over both stages; peak memory {memory}.")
         lines.append(
             f"| {algorithm} | {100 * results['accuracy']:.2f} | {PAPER.get(algorithm, '-')} | {t['total_s']:.1f} | "
-            f"{t['compute_s']:.1f} | {t['idle_s']:.1f} | {t['comm_s']:.3f} | {wall} | {rss / 2**30:.2f} |")
+            f"{t['compute_s']:.1f} | {t['idle_s']:.1f} | {t['comm_s']:.3f} | {wall} | "
+            f"{'-' if rss is None else f'{rss / 2**30:.2f}'} |")
     lines += [""] + [f"- {note}" for note in notes] + ([""] if notes else [])
     lines += [f"FedAvg in the paper: {PAPER_FEDAVG} %.", ""]
 
