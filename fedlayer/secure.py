@@ -242,9 +242,13 @@ def keystream_words(key, n_words):
     here (5.4 against 2.7 GB/s), and the keystream is most of a secure sum's
     cost. Every key is used for one keystream only (HKDF per pair and sum).
     """
+    return np.frombuffer(_keystream(key).update(bytes(8 * n_words)), dtype=np.uint64)  # zeros in: the keystream out
+
+
+def _keystream(key):
+    """An AES-256-CTR encryptor under ``key``, counter from 0: encrypting zeros yields the keystream."""
     crypto = _crypto()
-    encryptor = crypto.Cipher(crypto.algorithms.AES(key), crypto.modes.CTR(b"\0" * 16)).encryptor()
-    return np.frombuffer(encryptor.update(bytes(8 * n_words)), dtype=np.uint64)  # zeros in: the keystream out
+    return crypto.Cipher(crypto.algorithms.AES(key), crypto.modes.CTR(b"\0" * 16)).encryptor()
 
 
 _CHUNK_WORDS = 1 << 14  # 128 KiB: a chunk of the sum and of one keystream stay in cache together
@@ -259,9 +263,7 @@ def _add_masks(flat, key_sign_pairs):
     the chunk of ``flat`` is still in cache, instead of streaming ``flat`` and
     a fresh keystream through memory once per pair.
     """
-    crypto = _crypto()
-    streams = [(crypto.Cipher(crypto.algorithms.AES(key), crypto.modes.CTR(b"\0" * 16)).encryptor(), sign > 0)
-               for key, sign in key_sign_pairs]
+    streams = [(_keystream(key), sign > 0) for key, sign in key_sign_pairs]
     buffer = bytearray(8 * _CHUNK_WORDS + 15)  # update_into wants room for a block beyond the data
     zeros = memoryview(_ZEROS)
     for start in range(0, flat.size, _CHUNK_WORDS):
