@@ -100,10 +100,10 @@ def shared_checkpoint(algorithm, args):
     """
     fingerprint = RunConfig(algorithm=algorithm, dataset="cifar10", model="dcnn", width=args.width,
                             dtype="float32", seed=args.seed, cores=[2], conv_targets=args.conv_targets).fingerprint()
-    for source in (algorithm, SHARED_STAGE.get(algorithm)):
-        checkpoint = Path(args.work) / str(source) / "checkpoint.npz"
+    for source in filter(None, (algorithm, SHARED_STAGE.get(algorithm))):
+        checkpoint = Path(args.work) / source / "checkpoint.npz"
         source_json = Path(args.runs) / f"{source}.json"
-        if source is None or not checkpoint.exists() or (source != algorithm and not source_json.exists()):
+        if not checkpoint.exists() or (source != algorithm and not source_json.exists()):
             continue
         try:
             state = load_checkpoint(checkpoint, fingerprint)
