@@ -11,7 +11,10 @@ extensions = [
     Extension(
         "fastls._kernels",
         ["fastls/_kernels.pyx"],
-        extra_compile_args=["-O3"],
+        # Without trapping math GCC may turn a per-element select (the leaky
+        # ReLU) into vector blends; values are unchanged, only the FP exception
+        # flags nobody reads are not preserved.
+        extra_compile_args=["-O3", "-fno-trapping-math"],
     )
 ]
 

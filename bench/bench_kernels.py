@@ -13,6 +13,7 @@ import pytest
 
 import fastls
 from cases import (
+    ACTIVATION_MAPS,
     CONV_LAYERS,
     GRAM_SHAPES,
     PROXIMAL_CASES,
@@ -34,7 +35,8 @@ from numeric_checks import assert_close
 
 # Arguments whose cases come from a table of cases.py: full size with
 # --benchmark-enable, small size when the test suite runs the cases once.
-CASE_TABLES = {"shape": GRAM_SHAPES, "layer": CONV_LAYERS, "problem": PROXIMAL_CASES, "d": SOLVE_SIZES}
+CASE_TABLES = {"shape": GRAM_SHAPES, "layer": CONV_LAYERS, "problem": PROXIMAL_CASES, "d": SOLVE_SIZES,
+               "maps": ACTIVATION_MAPS}
 
 
 def pytest_generate_tests(metafunc):
@@ -76,6 +78,36 @@ def test_conv_statistics(benchmark, layer, impl):
     G2, C2 = conv_zeros(channels)
     conv_stats(images[:2], targets[:2], G2, C2, "overlap" if impl == "overlap" else "im2col")
     assert_close(np.triu(G2), np.triu(P.T @ P), np.float32, P.shape[0])
+
+
+def _numpy_leaky_pool(x):
+    """The forward epilogue as NumPy alone does it: masked multiply, then 2x2 strided slices."""
+    np.multiply(x, np.float32(0.01), out=x, where=x < 0)
+    out = x[:, 0::2, 0::2].copy()
+    out += x[:, 0::2, 1::2]
+    out += x[:, 1::2, 0::2]
+    out += x[:, 1::2, 1::2]
+    out /= 4
+    return out
+
+
+def _fastls_leaky_pool(x):
+    return fastls.avg_pool2d(fastls.scale_negatives(x, 0.01), 2)
+
+
+@pytest.mark.parametrize("impl", ["fastls", "numpy"])
+def test_leaky_relu_and_pool(benchmark, maps, impl):
+    """LeakyReLU + 2x2 average pool of a conv output, the elementwise part of a DCNN forward pass."""
+    images, side, channels = maps
+    original = random_matrix((images * side * side, channels), "float32").reshape(images, side, side, channels)
+    benchmark.group = f"leaky relu + avgpool {images}x{side}x{side}x{channels}"
+    fn = _fastls_leaky_pool if impl == "fastls" else _numpy_leaky_pool
+    # Each round activates a fresh copy (the activation is in place), outside the timing.
+    out = benchmark.pedantic(fn, setup=lambda: ((original.copy(),), {}), rounds=5, iterations=1)
+    x64 = original.astype(np.float64)
+    x64 = np.where(x64 < 0, 0.01 * x64, x64)
+    expected = (x64[:, 0::2, 0::2] + x64[:, 0::2, 1::2] + x64[:, 1::2, 0::2] + x64[:, 1::2, 1::2]) / 4
+    assert_close(out, expected, np.float32, 4)
 
 
 @pytest.mark.parametrize("form", ["primal", "dual"])

@@ -20,6 +20,9 @@ CONV_LAYERS = {"full": [(14, 512, 64), (6, 1024, 64), (4, 2048, 64), (4, 2048, 4
 # (n rows, d features, m right-hand sides) of a personalization solve: the DCNN's classifier on one client.
 PROXIMAL_CASES = {"full": [(450, 8193, 10)], "small": [(30, 257, 10)]}
 SOLVE_SIZES = {"full": [785, 4609, 9217], "small": [65]}
+# Conv outputs the DCNN activates and pools, (images, side, channels): the first convolution's on
+# 64 images, the second's on 64.
+ACTIVATION_MAPS = {"full": [(64, 28, 512), (64, 12, 1024)], "small": [(2, 6, 8)]}
 N_TARGETS = 10
 
 

@@ -1,6 +1,7 @@
 """fastls: compiled least-squares kernels for analytic learning.
 
-Gram accumulation (syrk), cross and forward products (gemm), im2col and a streaming
+Gram accumulation (syrk), cross and forward products (gemm), im2col, average pooling,
+leaky ReLU in place, a streaming
 convolution Gram, Cholesky ridge and proximal solves, ridge paths with GCV and
 leave-one-out selection of the shift, all float32/float64 with
 C- or Fortran-ordered inputs and the GIL released, plus core limits through
@@ -10,6 +11,7 @@ threadpoolctl and fewer BLAS threads where fewer are faster.
 from ._core import (
     DEFAULT_SCRATCH_BYTES,
     ConvStats,
+    avg_pool2d,
     conv_gram_update,
     conv_output_shape,
     conv_stats_cost,
@@ -22,6 +24,7 @@ from ._core import (
     proximal_solve,
     proximal_solve_dual,
     ridge_solve,
+    scale_negatives,
     symmetrize,
 )
 from ._select import DEFAULT_GRID, RidgePath
@@ -44,6 +47,8 @@ __all__ = [
     "symmetrize",
     "im2col",
     "conv_output_shape",
+    "avg_pool2d",
+    "scale_negatives",
     "conv_gram_update",
     "ConvStats",
     "conv_stats_cost",

@@ -390,6 +390,65 @@ def im2col(images, kernel_size, *, stride=1, padding=0, append_ones=False):
     return out
 
 
+def avg_pool2d(images, pool_size, stride=None):
+    """out[b, y, x] = mean of the pool window of images[b] at output (y, x), NHWC.
+
+    One pass over the input, bit-identical to summing the window's strided
+    slices in row order and dividing by its area.
+
+    Parameters
+    ----------
+    images : ndarray of shape (B, H, W, C), float32 or float64
+    pool_size : int or pair
+    stride : int or pair, optional
+        The pool size when None.
+
+    Returns
+    -------
+    out : ndarray of shape (B, (H - ph) // sh + 1, (W - pw) // sw + 1, C), dtype of images
+    """
+    images = _check_images(images)
+    ph, pw = _pair("pool_size", pool_size)
+    sh, sw = (ph, pw) if stride is None else _pair("stride", stride)
+    if min(ph, pw, sh, sw) < 1:
+        raise ValueError(f"pool_size and stride must be >= 1, got {(ph, pw)} and {(sh, sw)}")
+    B, H, W, C = images.shape
+    if H < ph or W < pw:
+        raise ValueError(f"a {ph}x{pw} pooling window does not fit a {H}x{W} image")
+    out = np.empty((B, (H - ph) // sh + 1, (W - pw) // sw + 1, C), dtype=images.dtype)
+    if out.size:
+        _kernels.avg_pool_into(images, out, ph, pw, sh, sw)
+    return out
+
+
+def scale_negatives(x, factor):
+    """x[x < 0] *= factor, in place (a leaky ReLU with slope ``factor``).
+
+    One vectorized pass, no mask or temporary: NumPy's ``where=`` form of
+    the same update runs several times slower on large activations.
+
+    Parameters
+    ----------
+    x : ndarray, float32 or float64, C- or Fortran-contiguous, writable
+    factor : float
+
+    Returns
+    -------
+    x : the same array
+    """
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"x must be a NumPy array, got {type(x).__name__}")
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"x must have dtype float32 or float64, got {x.dtype}")
+    if not x.flags.writeable:
+        raise ValueError("x is read-only; it is updated in place and must be writable")
+    if not (x.flags.c_contiguous or x.flags.f_contiguous):
+        raise ValueError(f"x must be C- or Fortran-contiguous (it is updated in place), got strides {x.strides}")
+    if x.size:
+        _kernels.scale_negatives(x.reshape(-1, order="A"), float(factor))
+    return x
+
+
 def conv_gram_update(G, C, images, targets, kernel_size, *, stride=1, padding=0,
                      append_ones=False, scratch_bytes=DEFAULT_SCRATCH_BYTES,
                      block_rows=DEFAULT_BLOCK_ROWS, check_finite=True, method="auto"):

@@ -644,6 +644,49 @@ def all_finite(const floating[:, ::1] A):
 
 
 # ---------------------------------------------------------------------------
+# Elementwise parts of a forward pass
+# ---------------------------------------------------------------------------
+
+def scale_negatives(floating[::1] x, floating factor):
+    """x[i] := factor * x[i] where x[i] < 0, in place (a leaky ReLU)."""
+    cdef Py_ssize_t i, n = x.shape[0]
+    cdef floating *p = &x[0]
+    cdef floating one = 1, zero = 0
+    with nogil:
+        # A multiplier chosen per value, not a branch: the loop vectorizes
+        # (compare, blend, multiply) whatever the signs, and NaN stays NaN.
+        for i in range(n):
+            p[i] = p[i] * (factor if p[i] < zero else one)
+
+
+def avg_pool_into(const floating[:, :, :, ::1] images, floating[:, :, :, ::1] out,
+                  Py_ssize_t ph, Py_ssize_t pw, Py_ssize_t sh, Py_ssize_t sw):
+    """out[b, y, x] = mean of images[b, y*sh : y*sh+ph, x*sw : x*sw+pw] (NHWC)."""
+    cdef Py_ssize_t B = out.shape[0], oh = out.shape[1], ow = out.shape[2], C = out.shape[3]
+    cdef Py_ssize_t b, y, x, i, j, c
+    cdef floating area = ph * pw
+    cdef floating *dst
+    cdef const floating *src
+    with nogil:
+        for b in range(B):
+            for y in range(oh):
+                for x in range(ow):
+                    dst = &out[b, y, x, 0]
+                    # Window offsets summed row by row, as NumPy's strided
+                    # slices would: the result is bit-identical.
+                    memcpy(dst, &images[b, y * sh, x * sw, 0], C * sizeof(floating))
+                    for i in range(ph):
+                        for j in range(pw):
+                            if i == 0 and j == 0:
+                                continue
+                            src = &images[b, y * sh + i, x * sw + j, 0]
+                            for c in range(C):
+                                dst[c] += src[c]
+                    for c in range(C):
+                        dst[c] /= area
+
+
+# ---------------------------------------------------------------------------
 # Convolution statistics from the overlap of patches (stride 1)
 # ---------------------------------------------------------------------------
 #

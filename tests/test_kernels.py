@@ -164,6 +164,84 @@ def test_im2col_same_padding_keeps_size(rng):
     np.testing.assert_array_equal(P, reference_im2col(images, (3, 3), (1, 1), (1, 1), False))
 
 
+def reference_avg_pool(images, pool, stride):
+    """Window means by explicit loops, in float64."""
+    (ph, pw), (sh, sw) = pool, stride
+    B, H, W, C = images.shape
+    out = np.empty((B, (H - ph) // sh + 1, (W - pw) // sw + 1, C))
+    for y in range(out.shape[1]):
+        for x in range(out.shape[2]):
+            out[:, y, x] = images[:, y * sh:y * sh + ph, x * sw:x * sw + pw].mean(axis=(1, 2))
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,pool,stride", [
+    ((2, 8, 8, 3), (2, 2), None),
+    ((3, 7, 9, 5), (2, 2), (2, 2)),  # odd sizes: the last row/column is dropped
+    ((1, 6, 5, 1), (3, 2), (1, 2)),  # overlapping windows
+    ((2, 4, 4, 17), (4, 4), None),
+    ((1, 1, 1, 2), (1, 1), None),
+])
+def test_avg_pool2d_matches_reference(rng, dtype, shape, pool, stride):
+    images = random(rng, shape, dtype)
+    out = fastls.avg_pool2d(images, pool, stride)
+    assert out.dtype == dtype and out.flags.c_contiguous
+    assert_close(out, reference_avg_pool(images.astype(np.float64), pool, stride or pool), dtype, pool[0] * pool[1])
+
+
+@given(st.integers(1, 3), st.integers(1, 9), st.integers(1, 9), st.integers(1, 6),
+       st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), st.sampled_from(DTYPES))
+@settings(max_examples=60, deadline=None)
+def test_avg_pool2d_any_window(B, H, W, C, ph, pw, sh, sw, dtype):
+    rng = np.random.default_rng([B, H, W, C, ph, pw, sh, sw])
+    images = random(rng, (B, H, W, C), dtype)
+    if ph > H or pw > W:
+        with pytest.raises(ValueError, match="does not fit"):
+            fastls.avg_pool2d(images, (ph, pw), (sh, sw))
+        return
+    out = fastls.avg_pool2d(images, (ph, pw), (sh, sw))
+    assert_close(out, reference_avg_pool(images.astype(np.float64), (ph, pw), (sh, sw)), dtype, ph * pw)
+
+
+def test_avg_pool2d_rejects_bad_input(rng):
+    with pytest.raises(ValueError, match="4-dimensional"):
+        fastls.avg_pool2d(random(rng, (4, 4, 3), np.float64), 2)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        fastls.avg_pool2d(np.ones((1, 4, 4, 1), dtype=np.int64), 2)
+    with pytest.raises(ValueError, match=">= 1"):
+        fastls.avg_pool2d(random(rng, (1, 4, 4, 1), np.float64), 2, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("factor", [0.01, 0.0, 1.0, 3.5, -2.0])
+def test_scale_negatives_matches_numpy(rng, dtype, order, factor):
+    x = random(rng, (37, 53), dtype, order)
+    expected = np.where(x < 0, x.astype(np.float64) * factor, x.astype(np.float64))
+    out = fastls.scale_negatives(x, factor)
+    assert out is x
+    # One rounding of one product: exact up to the dtype's rounding.
+    assert_close(x, expected, dtype, 1)
+
+
+def test_scale_negatives_keeps_nan_and_infinities():
+    x = np.array([np.nan, -np.inf, np.inf, -1.0, 0.0, 2.0])
+    fastls.scale_negatives(x, 0.5)
+    np.testing.assert_array_equal(x, [np.nan, -np.inf, np.inf, -0.5, 0.0, 2.0])
+
+
+def test_scale_negatives_rejects_what_it_cannot_update(rng):
+    x = random(rng, (4, 6), np.float64)
+    with pytest.raises(ValueError, match="contiguous"):
+        fastls.scale_negatives(x[:, ::2], 0.1)
+    x.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        fastls.scale_negatives(x, 0.1)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        fastls.scale_negatives(np.arange(3), 0.1)
+
+
 @pytest.mark.parametrize("images_dtype,g_dtype", [(np.float32, np.float32), (np.float64, np.float64), (np.float32, np.float64)])
 @pytest.mark.parametrize("shape,k,s,p", CONV_CASES)
 @pytest.mark.parametrize("per_image", [True, False])

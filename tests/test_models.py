@@ -107,6 +107,19 @@ def test_activations_match_numpy(rng):
     assert set(ACTIVATIONS) == {"identity", "relu", "leaky_relu"}
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_leaky_relu_in_place_on_any_layout(rng, dtype):
+    """The compiled pass (contiguous) and NumPy's masked one (a strided view) agree bit for bit."""
+    x = random(rng, (6, 10)).astype(dtype)
+    expected = np.where(x < 0, x * dtype(0.2), x)
+    contiguous, strided = x.copy(), x.copy()
+    assert LeakyReLU(0.2).apply_inplace(contiguous) is contiguous
+    LeakyReLU(0.2).apply_inplace(strided[:, ::2])
+    np.testing.assert_array_equal(contiguous, expected)
+    np.testing.assert_array_equal(strided[:, ::2], expected[:, ::2])
+    np.testing.assert_array_equal(strided[:, 1::2], x[:, 1::2])
+
+
 @pytest.mark.parametrize("act", [ReLU(), LeakyReLU(0.1), Identity()])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_activation_call_keeps_input_and_inplace_agrees(rng, act, dtype):
