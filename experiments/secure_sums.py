@@ -113,81 +113,114 @@ def timed_pair(base, dataset):
     return plain, secure
 
 
+def timed_pairs(base, dataset, reps):
+    """``reps`` plain/secure pairs, interleaved so that a slow spell of the machine hits both."""
+    return [timed_pair(base, dataset) for _ in range(reps)]
+
+
+def median_cost(pairs):
+    """Per measure, each pair's plain and secure value and their medians (a run's idle time hangs on one timing)."""
+    measures = {"compute_per_round_s": lambda r: per_round(r, "compute_s"),
+                "bytes_up_per_round": lambda r: per_round(r, "bytes_up"),
+                "total_per_client_s": lambda r: r["time_per_client"]["total_s"]}
+    cost = {}
+    for key, measure in measures.items():
+        values = {side: [measure(pair[i]) for pair in pairs] for i, side in enumerate(("plain", "secure"))}
+        cost[key] = {side: float(np.median(v)) for side, v in values.items()}
+        cost[key]["each"] = values
+        cost[key]["extra_each"] = [b / a - 1 for a, b in zip(values["plain"], values["secure"])]
+    return cost
+
+
+PARTS = ("threat", "cost", "scaling", "dropouts", "h_noise", "mpi")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--scaling", type=int, nargs="+", default=[100, 300, 1000])
     parser.add_argument("--skip-mpi", action="store_true")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="what to measure; the others are kept from OUT/secure_sums.json")
+    parser.add_argument("--reps", type=int, default=5, help="plain/secure pairs timed on MNIST-DNN (medians reported)")
     args = parser.parse_args()
     use_shared_data()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {}
+    # A subset of the parts reruns those and keeps the others from the last full run's JSON.
+    parts = set(args.parts)
+    previous = out / "secure_sums.json"
+    report = json.loads(previous.read_text()) if parts != set(PARTS) and previous.exists() else {}
 
     mnist_base = {"algorithm": "fedacnnl", "dataset": "mnist", "model": "dnn", "seed": args.seed}
     mnist = load_dataset(RunConfig(**mnist_base))
-    report["threat"] = threat(mnist, RunConfig(**mnist_base), out)
-    print("threat:", report["threat"]["correlation"], flush=True)
+    if "threat" in parts:
+        report["threat"] = threat(mnist, RunConfig(**mnist_base), out)
+        print("threat:", report["threat"]["correlation"], flush=True)
 
-    plain, secure = timed_pair(mnist_base, mnist)
-    report["mnist"] = {
-        "weights_rel_diff": weight_difference(secure, plain),
-        "accuracy": {"plain": plain["accuracy"], "secure": secure["accuracy"]},
-        "compute_per_round_s": {"plain": per_round(plain, "compute_s"), "secure": per_round(secure, "compute_s")},
-        "bytes_up_per_round": {"plain": per_round(plain, "bytes_up"), "secure": per_round(secure, "bytes_up")},
-        "total_per_client_s": {"plain": plain["time_per_client"]["total_s"],
-                               "secure": secure["time_per_client"]["total_s"]},
-        "setup_bytes": secure["secure"]["setup_bytes"],
-    }
-    print("mnist:", report["mnist"], flush=True)
+    if "cost" in parts:
+        pairs = timed_pairs(mnist_base, mnist, args.reps)
+        plain, secure = pairs[0]
+        report["mnist"] = {
+            "weights_rel_diff": max(weight_difference(b, a) for a, b in pairs),
+            "accuracy": {"plain": plain["accuracy"], "secure": secure["accuracy"]},
+            **median_cost(pairs),
+            "reps": args.reps,
+            "setup_bytes": secure["secure"]["setup_bytes"],
+        }
+        print("mnist:", report["mnist"], flush=True)
 
-    report["scaling"] = {}
-    for n in args.scaling:
-        base = {"algorithm": "fedacnnl", "dataset": "synthetic", "model": "dnn", "clients": n, "seed": args.seed,
-                "min_samples": 10}
-        dataset = load_dataset(RunConfig(**base))
-        plain, secure = timed_pair(base, dataset)
-        extra = per_round(secure, "compute_s") - per_round(plain, "compute_s")
-        report["scaling"][n] = {"extra_compute_per_client_round_s": extra,
-                                "bytes_up_per_client_round": {"plain": per_round(plain, "bytes_up") / n,
-                                                              "secure": per_round(secure, "bytes_up") / n},
-                                "weights_rel_diff": weight_difference(secure, plain),
-                                "log2_n": math.log2(n)}
-        print("scaling", n, report["scaling"][n], flush=True)
+    if "scaling" in parts:
+        report["scaling"] = {}
+        for n in args.scaling:
+            base = {"algorithm": "fedacnnl", "dataset": "synthetic", "model": "dnn", "clients": n, "seed": args.seed,
+                    "min_samples": 10}
+            dataset = load_dataset(RunConfig(**base))
+            plain, secure = timed_pair(base, dataset)
+            extra = per_round(secure, "compute_s") - per_round(plain, "compute_s")
+            report["scaling"][n] = {"extra_compute_per_client_round_s": extra,
+                                    "bytes_up_per_client_round": {"plain": per_round(plain, "bytes_up") / n,
+                                                                  "secure": per_round(secure, "bytes_up") / n},
+                                    "weights_rel_diff": weight_difference(secure, plain),
+                                    "log2_n": math.log2(n)}
+            print("scaling", n, report["scaling"][n], flush=True)
 
-    report["dropouts"] = {}
-    for name, extra in (("none", {}), ("plain 0.1", {"drop_clients": 0.1}),
-                        ("secure 0.1", {"drop_clients": 0.1, "secure": True})):
-        results = run(RunConfig(**mnist_base, **extra), dataset=mnist)
-        dropped = [len(r.get("dropped", {})) for r in results["rounds"].values() if r["stage"] == "federated"]
-        report["dropouts"][name] = {"accuracy": results["accuracy"], "dropped_per_round": dropped,
-                                    "weights": results["group_weights"]}
-    report["dropouts"]["secure_vs_plain_rel_diff"] = weight_difference(
-        {"group_weights": report["dropouts"]["secure 0.1"].pop("weights")},
-        {"group_weights": report["dropouts"]["plain 0.1"].pop("weights")})
-    report["dropouts"]["none"].pop("weights")
-    print("dropouts:", report["dropouts"], flush=True)
+    if "dropouts" in parts:
+        report["dropouts"] = {}
+        for name, extra in (("none", {}), ("plain 0.1", {"drop_clients": 0.1}),
+                            ("secure 0.1", {"drop_clients": 0.1, "secure": True})):
+            results = run(RunConfig(**mnist_base, **extra), dataset=mnist)
+            dropped = [len(r.get("dropped", {})) for r in results["rounds"].values() if r["stage"] == "federated"]
+            report["dropouts"][name] = {"accuracy": results["accuracy"], "dropped_per_round": dropped,
+                                        "weights": results["group_weights"]}
+        report["dropouts"]["secure_vs_plain_rel_diff"] = weight_difference(
+            {"group_weights": report["dropouts"]["secure 0.1"].pop("weights")},
+            {"group_weights": report["dropouts"]["plain 0.1"].pop("weights")})
+        report["dropouts"]["none"].pop("weights")
+        print("dropouts:", report["dropouts"], flush=True)
 
-    report["h_noise"] = {}
-    for sigma in (0.0, 0.1, 0.3, 1.0):
-        results = run(RunConfig(**{**mnist_base, "algorithm": "pfedacnnl"}, secure=True, h_noise=sigma), dataset=mnist)
-        report["h_noise"][sigma] = {"accuracy": results["accuracy"],
-                                    "groups": len(set(results["groups"].values()))}
-    print("h_noise:", report["h_noise"], flush=True)
+    if "h_noise" in parts:
+        report["h_noise"] = {}
+        for sigma in (0.0, 0.1, 0.3, 1.0):
+            results = run(RunConfig(**{**mnist_base, "algorithm": "pfedacnnl"}, secure=True, h_noise=sigma), dataset=mnist)
+            report["h_noise"][sigma] = {"accuracy": results["accuracy"],
+                                        "groups": len(set(results["groups"].values()))}
+        print("h_noise:", report["h_noise"], flush=True)
 
-    mpiexec = shutil.which("mpiexec") or shutil.which("mpiexec", path=str(Path(sys.executable).parent))
-    if mpiexec and not args.skip_mpi:
-        with tempfile.TemporaryDirectory() as tmp:
-            cmd = [mpiexec, "-n", "3", sys.executable, "-m", "fedlayer", "run", "--algorithm", "fedacnnl",
-                   "--dataset", "mnist", "--seed", str(args.seed), "--quiet", "--output", tmp]
-            subprocess.run(cmd, check=True)
-            results = json.loads((Path(tmp) / "results.json").read_text())
-        report["mpi"] = [{"layer": r["layer"] + 1, "client_upload_bytes": r["bytes_up"],
-                          "rank0_received_bytes": sum(v["bytes"] for v in r["transport"].values()),
-                          "messages": len(r["transport"])}
-                         for r in results["rounds"].values() if r["stage"] == "federated"]
-        print("mpi:", report["mpi"], flush=True)
+    if "mpi" in parts:
+        mpiexec = shutil.which("mpiexec") or shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+        if mpiexec and not args.skip_mpi:
+            with tempfile.TemporaryDirectory() as tmp:
+                cmd = [mpiexec, "-n", "3", sys.executable, "-m", "fedlayer", "run", "--algorithm", "fedacnnl",
+                       "--dataset", "mnist", "--seed", str(args.seed), "--quiet", "--output", tmp]
+                subprocess.run(cmd, check=True)
+                results = json.loads((Path(tmp) / "results.json").read_text())
+            report["mpi"] = [{"layer": r["layer"] + 1, "client_upload_bytes": r["bytes_up"],
+                              "rank0_received_bytes": sum(v["bytes"] for v in r["transport"].values()),
+                              "messages": len(r["transport"])}
+                             for r in results["rounds"].values() if r["stage"] == "federated"]
+            print("mpi:", report["mpi"], flush=True)
 
     (out / "secure_sums.json").write_text(json.dumps(report, indent=1))
     (out / "secure_sums.md").write_text(render(report, args))
@@ -199,12 +232,20 @@ def render(report, args):
     overhead = {key: 100 * (m[key]["secure"] / m[key]["plain"] - 1)
                 for key in ("compute_per_round_s", "bytes_up_per_round", "total_per_client_s")}
     t = report["threat"]
+
+    def each(key):
+        return " / ".join(f"{100 * e:+.0f} %" for e in m[key].get("extra_each", []))
+
     lines = [
         "# Secure sums: threat, cost, dropouts",
         "",
-        f"Command: `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python experiments/secure_sums.py --seed {args.seed}` "
-        f"on {platform.machine()}, {fastls.available_cores()} cores (FedACnnL, clients in one process unless "
-        "stated).",
+        f"Command: `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python experiments/secure_sums.py --seed {args.seed}"
+        + (f" --parts {' '.join(args.parts)}" if set(args.parts) != set(PARTS) else "")
+        + f"` on {platform.machine()}, {fastls.available_cores()} cores (FedACnnL, clients in one process unless "
+        "stated)."
+        + (f" Only {', '.join(args.parts)} measured by this command; the other sections come from the script's "
+           "previous run (secure_sums.json), whose code may predate later changes (see git log)."
+           if set(args.parts) != set(PARTS) else ""),
         "",
         "## The threat and the fix",
         "",
@@ -217,15 +258,21 @@ def render(report, args):
         "",
         "## Cost on MNIST-DNN, 100 clients",
         "",
-        "| | plain | secure | extra |",
-        "|---|---|---|---|",
+        f"Medians over {m.get('reps', 1)} plain/secure pairs run one after the other; the last column lists each "
+        "pair's extra.",
+        "",
+        "| | plain | secure | extra (medians) | extra, each pair |",
+        "|---|---|---|---|---|",
         f"| client compute per round (mean, s) | {m['compute_per_round_s']['plain']:.4f} | "
-        f"{m['compute_per_round_s']['secure']:.4f} | {overhead['compute_per_round_s']:+.0f} % |",
+        f"{m['compute_per_round_s']['secure']:.4f} | {overhead['compute_per_round_s']:+.0f} % | "
+        f"{each('compute_per_round_s')} |",
         f"| bytes up per round (all clients) | {m['bytes_up_per_round']['plain']:,.0f} | "
-        f"{m['bytes_up_per_round']['secure']:,.0f} | {overhead['bytes_up_per_round']:+.0f} % |",
+        f"{m['bytes_up_per_round']['secure']:,.0f} | {overhead['bytes_up_per_round']:+.0f} % | "
+        f"{each('bytes_up_per_round')} |",
         f"| total time per client (s) | {m['total_per_client_s']['plain']:.3f} | "
-        f"{m['total_per_client_s']['secure']:.3f} | {overhead['total_per_client_s']:+.0f} % |",
-        f"| final accuracy | {m['accuracy']['plain']:.4f} | {m['accuracy']['secure']:.4f} | |",
+        f"{m['total_per_client_s']['secure']:.3f} | {overhead['total_per_client_s']:+.0f} % | "
+        f"{each('total_per_client_s')} |",
+        f"| final accuracy | {m['accuracy']['plain']:.4f} | {m['accuracy']['secure']:.4f} | | |",
         "",
         f"Largest relative difference of the weights, secure against plain: {m['weights_rel_diff']:.2e} "
         "(target <= 1e-9).",
