@@ -1,11 +1,10 @@
 """fastls: compiled least-squares kernels for analytic learning.
 
-Gram accumulation (syrk), cross and forward products (gemm), im2col, average pooling,
-leaky ReLU in place, a streaming
-convolution Gram, Cholesky ridge and proximal solves, ridge paths with GCV and
-leave-one-out selection of the shift, all float32/float64 with
-C- or Fortran-ordered inputs and the GIL released, plus core limits through
-threadpoolctl and fewer BLAS threads where fewer are faster.
+Gram accumulation (syrk), cross and forward products (gemm), im2col, average
+pooling, leaky ReLU in place, a streaming convolution Gram, Cholesky ridge and
+proximal solves, ridge paths with GCV and leave-one-out selection of the shift,
+all float32/float64 with C- or Fortran-ordered inputs and the GIL released, plus
+core limits through threadpoolctl and fewer BLAS threads where fewer are faster.
 """
 
 from ._core import (

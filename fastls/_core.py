@@ -436,14 +436,7 @@ def scale_negatives(x, factor):
     -------
     x : the same array
     """
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"x must be a NumPy array, got {type(x).__name__}")
-    if x.dtype not in _FLOATS:
-        raise TypeError(f"x must have dtype float32 or float64, got {x.dtype}")
-    if not x.flags.writeable:
-        raise ValueError("x is read-only; it is updated in place and must be writable")
-    if not (x.flags.c_contiguous or x.flags.f_contiguous):
-        raise ValueError(f"x must be C- or Fortran-contiguous (it is updated in place), got strides {x.strides}")
+    _check_output("x", x, np.ndim(x))
     if x.size:
         _kernels.scale_negatives(x.reshape(-1, order="A"), float(factor))
     return x
