@@ -27,6 +27,7 @@ from ._core import (
     symmetrize,
 )
 from ._select import DEFAULT_GRID, RidgePath
+from ._workspace import recycled_array
 from ._threads import (
     FLOPS_PER_THREAD,
     available_cores,
@@ -58,6 +59,7 @@ __all__ = [
     "proximal_solve_dual",
     "proximal_cost",
     "RidgePath",
+    "recycled_array",
     "DEFAULT_GRID",
     "matmul",
     "limit_cores",

@@ -18,6 +18,7 @@ Conventions shared by every kernel:
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import numbers
 import warnings
@@ -26,7 +27,8 @@ import numpy as np
 import scipy.linalg
 
 from . import _kernels
-from ._threads import sized_threads
+from ._threads import sized_threads, threads_for
+from ._workspace import recycled_array
 
 __all__ = [
     "gram_update",
@@ -502,7 +504,10 @@ class ConvStats:
       with a 3 x 3 kernel. The products are kept per group (one
       channels x channels matrix each, :attr:`state_bytes`) across calls and
       added into G's blocks by :meth:`finish`, so small batches do not pay
-      a pass over G each.
+      a pass over G each; :meth:`finish` writes each block once from all the
+      products feeding it, blocks split over the allowed threads. The
+      products' memory is reused by the next ConvStats of the same shape
+      (:func:`fastls.recycled_array`).
 
     Parameters
     ----------
@@ -683,7 +688,9 @@ class ConvStats:
         B = images.shape[0]
         chunk = -(-B // -(-B // most))  # equal chunks: no thin remainder
         if self._partial is None:
-            self._partial = (np.zeros((len(groups), channels, channels), dtype=dtype),
+            # No zeroing: a group's first product overwrites its slot (no pending rows).
+            self._partial = (recycled_array("fastls.ConvStats.overlap", (len(groups), channels, channels), dtype,
+                                            zero=False),
                              np.zeros(len(groups), dtype=np.intp))
         acc, pending = self._partial
         buf_a = np.empty(chunk * rows_per_image * channels, dtype=dtype)
@@ -728,10 +735,8 @@ class ConvStats:
         """Add what is still held per group into G; returns (G, C), complete."""
         if self._partial is not None:
             kh, kw, _, _, _, _, out_h, out_w = self.geometry
-            groups, _, blocks, _, _ = _overlap_plan(kh, kw, out_h, out_w)
             acc, pending = self._partial
-            _kernels.overlap_fold(acc, pending, groups, blocks, self.G, *_layout(self.G),
-                                  self.G.dtype != acc.dtype)
+            _assemble_blocks(acc, pending, _assembly_plan(kh, kw, out_h, out_w), self.G)
             self._partial = None
         if self._factored is not None:
             self._finish_factored()
@@ -833,6 +838,48 @@ def _overlap_plan(kh, kw, out_h, out_w):
             rows_per_image, macs)
 
 
+@functools.lru_cache(maxsize=64)
+def _assembly_plan(kh, kw, out_h, out_w):
+    """The blocks of G the overlap groups feed, each once: (keys (n, 2), starts (n + 1,), groups), int32.
+
+    Block k is (a, b) = keys[k] and is fed by groups[starts[k]:starts[k + 1]],
+    in increasing group order.
+    """
+    groups, _, blocks, _, _ = _overlap_plan(kh, kw, out_h, out_w)
+    feeders = {}
+    for g, (*_, first, stop) in enumerate(groups):
+        for a, b in blocks[first:stop]:
+            feeders.setdefault((int(a), int(b)), []).append(g)
+    keys = sorted(feeders)
+    starts = np.cumsum([0] + [len(feeders[key]) for key in keys])
+    members = [g for key in keys for g in feeders[key]]
+    as_array = functools.partial(np.array, dtype=np.int32)
+    return as_array(keys).reshape(-1, 2), as_array(starts), as_array(members)
+
+
+def _assemble_blocks(acc, pending, plan, G):
+    """G's blocks += the pending per-group products (threads over disjoint blocks), then restart the groups."""
+    keys, starts, members = plan
+    n_blocks = len(keys)
+    channels = acc.shape[1]
+    # Memory-bound adds; threads_for keeps within the caller's core limit.
+    threads = min(threads_for(2.0 * len(members) * channels * channels), n_blocks)
+    bounds = np.searchsorted(starts, np.linspace(0, starts[-1], threads + 1)).tolist()
+    bounds[0], bounds[-1] = 0, n_blocks
+    ranges = [(first, stop) for first, stop in zip(bounds[:-1], bounds[1:]) if stop > first]
+    mixed = G.dtype != acc.dtype
+
+    def assemble(block_range):
+        _kernels.overlap_assemble(acc, pending, keys, starts, members, G, *_layout(G), mixed, *block_range)
+
+    if len(ranges) == 1:
+        assemble(ranges[0])
+    else:
+        with concurrent.futures.ThreadPoolExecutor(len(ranges)) as pool:
+            list(pool.map(assemble, ranges))
+    pending[:] = 0
+
+
 def conv_stats_cost(image_shape, kernel_size, *, stride=1, padding=0):
     """Multiply-adds per image of the patch Gram: (im2col + syrk, overlap or None).
 
@@ -868,10 +915,16 @@ def conv_stats_method(image_shape, kernel_size, *, stride=1, padding=0, per_imag
     return _pick_conv_method("auto", tuple(image_shape), kernel_size, stride, padding, per_image_targets, images)
 
 
-# Cost of adding one element of a product into G, in multiply-adds of a float32
-# gemm: the fold is memory-bound (measured: 0.68 G float64 adds/s against 75 G
-# multiply-adds/s at 2 threads on this machine).
+# Cost of one element of G read and written by a pass over it, in multiply-adds of
+# a float32 gemm: memory-bound (measured: 0.68 G float64 adds/s against 75 G
+# multiply-adds/s at 2 threads on this machine). The overlap's finish writes
+# each block of G once and reads each group product (float32, a quarter of the
+# bytes) once per block it feeds: 64 images of 4x4x2048 cost 0.5 s more than
+# their products (100 x (45 + 146 / 4) x 2048^2 multiply-adds at 75 G/s: 0.46 s).
 FOLD_COST_IN_MACS = 100
+# A pass of im2col's float32-into-float64 path over G also writes and reads the
+# float32 tile of the product: 1.5 times the bytes of a plain pass.
+IM2COL_PASS_COST_IN_MACS = 150
 
 
 def _pick_conv_method(method, image_shape, kernel_size, stride, padding, per_image, images=None):
@@ -886,16 +939,17 @@ def _pick_conv_method(method, image_shape, kernel_size, stride, padding, per_ima
         )
     if method == "auto":
         if usable and images:
-            # Per finish, the overlap adds each group's product into its blocks
-            # once; im2col passes over G once per block of DEFAULT_BLOCK_ROWS rows.
+            # Per finish, the overlap writes each block of G once from the
+            # products feeding it; im2col passes over G once per block of
+            # DEFAULT_BLOCK_ROWS rows.
             kh, kw = _pair("kernel_size", kernel_size)
             out_h, out_w = conv_output_shape(image_shape[:2], kernel_size, stride, padding)
             channels = image_shape[2]
-            block_adds = len(_overlap_plan(kh, kw, out_h, out_w)[2])
+            keys, _, feeders = _assembly_plan(kh, kw, out_h, out_w)
             d = kh * kw * channels
             passes = -(-images * out_h * out_w // DEFAULT_BLOCK_ROWS)
-            overlap_macs += FOLD_COST_IN_MACS * block_adds * channels ** 2 / images
-            im2col_macs += FOLD_COST_IN_MACS * passes * d * d / 2 / images
+            overlap_macs += FOLD_COST_IN_MACS * (len(keys) + len(feeders) / 4) * channels ** 2 / images
+            im2col_macs += IM2COL_PASS_COST_IN_MACS * passes * d * d / 2 / images
         # With the passes over G counted, the cheaper one wins; without them,
         # the overlap must save a margin that covers its one pass.
         ratio = 1.0 if images else OVERLAP_MAX_COST_RATIO

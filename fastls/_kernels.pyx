@@ -797,12 +797,11 @@ cdef void _window_sums(const floating[:, :, :, ::1] images, Py_ssize_t img,
 cdef void _fold_group(floating *acc, Py_ssize_t c, const int[:, ::1] groups,
                       const int[:, ::1] blocks, Py_ssize_t g, bint rowmajor,
                       floating *G, double *G64, Py_ssize_t ldg) noexcept nogil:
-    """Add group g's product into each of its blocks of G, then zero it."""
+    """Add group g's product into each of its blocks of G (the caller then restarts it: pending 0)."""
     cdef Py_ssize_t blk
     cdef bint diagonal = groups[g, 0] == 0 and groups[g, 1] == 0
     for blk in range(groups[g, 4], groups[g, 5]):
         _fold(acc, rowmajor, c, G, G64, ldg, blocks[blk, 0] * c, blocks[blk, 1] * c, diagonal)
-    memset(acc, 0, c * c * sizeof(floating))
 
 
 cdef inline void _pointers(object G_out, bint mixed, floating **G, double **G64):
@@ -836,19 +835,23 @@ def overlap_accumulate(floating[:, :, ::1] acc, Py_ssize_t[::1] pending,
     block); ``cells`` rows (y0, y1, x0, x1) in padded coordinates; ``blocks``
     rows (a, b) kernel-offset indices with b after a. ``acc[g]`` (c x c, in
     G's layout) collects group g's product across calls, so the blocks of G
-    are touched once per :func:`overlap_fold`, not once per call. On the
+    are touched once per :func:`overlap_assemble`, not once per call. On the
     float32-into-float64 path (G_out, C_out float64) a group is folded into
     G whenever it has summed ``block_rows`` rows in float32 (``pending``).
+    A group with no pending rows holds no product: its first one overwrites
+    acc[g] (beta 0), so acc needs no zeroing.
     """
     cdef Py_ssize_t c = images.shape[3], n = images.shape[0], d = sums.shape[1]
     cdef Py_ssize_t m = targets.shape[1], n_groups = groups.shape[0]
     cdef Py_ssize_t img0, n_img, g, rows, r0, kb, j, b
     cdef Py_ssize_t dy, dx
     cdef bint diagonal
+    cdef floating beta
     cdef floating *G = NULL
     cdef floating *C = NULL
     cdef double *G64 = NULL
     cdef double *C64 = NULL
+    cdef double *bias_sums = NULL
     cdef floating *sa = &buf_a[0]
     cdef floating *sb = &buf_b[0]
     cdef floating *a_g
@@ -859,6 +862,11 @@ def overlap_accumulate(floating[:, :, ::1] acc, Py_ssize_t[::1] pending,
         tile_buf = <float *>malloc(max(1, min(d, 2048) * min(m, 2048)) * sizeof(float))
         if tile_buf == NULL:
             raise MemoryError("cannot allocate the float32 tile")
+    if append_ones:
+        bias_sums = <double *>malloc(d * sizeof(double))
+        if bias_sums == NULL:
+            free(tile_buf)
+            raise MemoryError("cannot allocate the bias-column sums")
     try:
         with nogil:
             img0 = 0
@@ -879,13 +887,14 @@ def overlap_accumulate(floating[:, :, ::1] acc, Py_ssize_t[::1] pending,
                         kb = rows - r0
                         if mixed:
                             kb = min(kb, block_rows - pending[g])
+                        beta = 1.0 if pending[g] > 0 else 0.0
                         # acc[g] in G's layout: a row-major product is the Fortran transpose.
                         if diagonal:
                             _syrk_tn(sa + r0 * c, True, <int>c, <int>kb, <int>c,
-                                     <floating>1.0, a_g, g_rowmajor, <int>c)
+                                     beta, a_g, g_rowmajor, <int>c)
                         else:
                             _gemm_tn(sa + r0 * c, True, <int>c, sb + r0 * c, True, <int>c,
-                                     <int>kb, <int>c, <int>c, <floating>1.0, a_g, g_rowmajor, <int>c)
+                                     <int>kb, <int>c, <int>c, beta, a_g, g_rowmajor, <int>c)
                         pending[g] += kb
                         if mixed and pending[g] >= block_rows:
                             _fold_group(a_g, c, groups, blocks, g, g_rowmajor, G, G64, ldg)
@@ -896,29 +905,70 @@ def overlap_accumulate(floating[:, :, ::1] acc, Py_ssize_t[::1] pending,
                     _window_sums(images, img0 + b, kh, kw, ph, pw, out_h, out_w,
                                  append_ones, &sums[b, 0])
                 if append_ones:
+                    # Summed over the chunk first: in a row-major G the bias column
+                    # is strided, one page per row, so it is walked once per chunk.
+                    memset(bias_sums, 0, d * sizeof(double))
                     for b in range(n_img):
                         for j in range(d):
-                            if mixed:
-                                G64[(d - 1) * ldg + j if not g_rowmajor else j * ldg + d - 1] += sums[b, j]
-                            else:
-                                G[(d - 1) * ldg + j if not g_rowmajor else j * ldg + d - 1] += sums[b, j]
+                            bias_sums[j] += sums[b, j]
+                    for j in range(d):
+                        if mixed:
+                            G64[(d - 1) * ldg + j if not g_rowmajor else j * ldg + d - 1] += bias_sums[j]
+                        else:
+                            G[(d - 1) * ldg + j if not g_rowmajor else j * ldg + d - 1] += <floating>bias_sums[j]
                 _flush_sums(C, c_rowmajor, ldc, C64, targets, sums, img0, n_img,
                             block_rows, 2048, tile_buf)
                 img0 += n_img
     finally:
         free(tile_buf)
+        free(bias_sums)
 
 
-def overlap_fold(floating[:, :, ::1] acc, Py_ssize_t[::1] pending,
-                 const int[:, ::1] groups, const int[:, ::1] blocks,
-                 object G_out, bint g_rowmajor, int ldg, bint mixed):
-    """Fold every group with pending rows into its blocks of G, and zero it."""
-    cdef Py_ssize_t g, c = acc.shape[1]
+def overlap_assemble(const floating[:, :, ::1] acc, const Py_ssize_t[::1] pending,
+                     const int[:, ::1] block_keys, const int[::1] block_start,
+                     const int[::1] block_groups, object G_out, bint g_rowmajor,
+                     int ldg, bint mixed, Py_ssize_t first, Py_ssize_t stop):
+    """G's blocks first..stop-1 += the products of their groups that hold pending rows.
+
+    ``block_keys`` rows (a, b) name each block of G once; its groups are
+    ``block_groups[block_start[k]:block_start[k + 1]]``, in increasing order,
+    so every element of G receives the same additions in the same order as
+    group-by-group folding, while each row of G is read and written once
+    however many groups feed it. Disjoint block ranges may run in parallel
+    threads. The caller restarts the groups (pending 0) afterwards.
+    """
+    cdef Py_ssize_t c = acc.shape[1], k, i, j, j0, j1, p, g
+    cdef bint diagonal
     cdef floating *G = NULL
     cdef double *G64 = NULL
+    cdef const floating *src
+    cdef floating *dst
+    cdef double *dst64
     _pointers(G_out, mixed, &G, &G64)
     with nogil:
-        for g in range(groups.shape[0]):
-            if pending[g] > 0:
-                _fold_group(&acc[g, 0, 0], c, groups, blocks, g, g_rowmajor, G, G64, ldg)
-                pending[g] = 0
+        for k in range(first, stop):
+            diagonal = block_keys[k, 0] == block_keys[k, 1]
+            for i in range(c):
+                # In G's layout, i runs over rows (row-major) or columns (Fortran)
+                # and j is contiguous in acc and G; a diagonal block keeps its upper part.
+                if g_rowmajor:
+                    j0, j1 = (i if diagonal else 0), c
+                    p = (block_keys[k, 0] * c + i) * ldg + block_keys[k, 1] * c
+                else:
+                    j0, j1 = 0, (i + 1 if diagonal else c)
+                    p = block_keys[k, 0] * c + (block_keys[k, 1] * c + i) * ldg
+                if mixed:
+                    dst64 = G64 + p
+                else:
+                    dst = G + p
+                for p in range(block_start[k], block_start[k + 1]):
+                    g = block_groups[p]
+                    if pending[g] == 0:
+                        continue
+                    src = &acc[g, i, 0]
+                    if mixed:
+                        for j in range(j0, j1):
+                            dst64[j] += src[j]
+                    else:
+                        for j in range(j0, j1):
+                            dst[j] += src[j]

@@ -144,8 +144,10 @@ def test_auto_picks_overlap_where_it_pays():
         assert fastls._core._pick_conv_method("auto", shape, (3, 3), (1, 1), (0, 0), True) == expected
     assert fastls._core._pick_conv_method("auto", (14, 14, 512), (3, 3), (2, 2), (0, 0), True) == "im2col"
     # Knowing the images per finish, the one pass over G decides on the small maps (measured there:
-    # 64 images of 4x4x2048 take 2.77 s by overlap against 2.47 s by im2col, 450 take 5.29 against 5.88).
-    assert fastls.conv_stats_method((4, 4, 2048), 3, images=64) == "im2col"
+    # 64 images of 4x4x2048 take 1.19 s by overlap against 2.67 s by im2col, 450 take 3.46 against 5.88;
+    # a handful of images does not pay for the overlap's pass).
+    assert fastls.conv_stats_method((4, 4, 2048), 3, images=4) == "im2col"
+    assert fastls.conv_stats_method((4, 4, 2048), 3, images=64) == "overlap"
     assert fastls.conv_stats_method((4, 4, 2048), 3, images=450) == "overlap"
     assert fastls.conv_stats_method((14, 14, 512), 3, images=16) == "overlap"
     assert fastls._core._pick_conv_method("auto", (14, 14, 512), (3, 3), (1, 1), (0, 0), False) == "im2col"
@@ -238,3 +240,66 @@ def test_position_basis_keeps_the_overlap_and_checks_its_shape(rng):
         fastls.ConvStats(G, C, (14, 14, 32), 3, append_ones=True, position_basis=basis[:-1])
     with pytest.raises(ValueError, match="per_image_targets must be True"):
         fastls.ConvStats(G, C, (14, 14, 32), 3, per_image_targets=False, append_ones=True, position_basis=basis)
+
+
+@pytest.mark.parametrize("images_dtype,g_dtype,block_rows", [(np.float64, np.float64, 4096),
+                                                             (np.float32, np.float64, 3),
+                                                             (np.float32, np.float32, 4096)])
+def test_recycled_products_never_leak_into_the_next_statistics(rng, images_dtype, g_dtype, block_rows):
+    # The per-group products reuse the memory of the previous ConvStats and are never zeroed:
+    # a group's first product (after a fold, with block_rows=3) must overwrite its slot.
+    first, second = (rng.standard_normal((4, 7, 6, 3)).astype(images_dtype) for _ in range(2))
+    targets = [rng.standard_normal((4, 2)).astype(images_dtype) for _ in range(2)]
+    d = 9 * 3 + 1
+
+    def stats_of(images, z):
+        G, C = np.zeros((d, d), g_dtype), np.zeros((d, 2), g_dtype)
+        with fastls.ConvStats(G, C, (7, 6, 3), 3, padding=1, append_ones=True, method="overlap",
+                              block_rows=block_rows) as stats:
+            stats.update(images[:1], z[:1])
+            stats.update(images[1:], z[1:])
+        return G, C
+
+    stats_of(first, targets[0])
+    G, C = stats_of(second, targets[1])
+    G_ref, C_ref = reference(second, targets[1], 3, 1, True)
+    n_terms = 4 * 7 * 6
+    # The products are formed in the images' dtype.
+    assert_close(np.triu(G), np.triu(G_ref), images_dtype, n_terms)
+    assert_close(C, C_ref, images_dtype, n_terms)
+
+
+def test_statistics_in_flight_together_keep_their_own_products(rng):
+    images = [rng.standard_normal((3, 6, 6, 4)) for _ in range(2)]
+    targets = [rng.standard_normal((3, 2)) for _ in range(2)]
+    d = 9 * 4 + 1
+    out = [(np.zeros((d, d)), np.zeros((d, 2))) for _ in range(2)]
+    running = [fastls.ConvStats(G, C, (6, 6, 4), 3, append_ones=True, method="overlap") for G, C in out]
+    for part in (slice(0, 1), slice(1, 3)):
+        for stats, x, z in zip(running, images, targets):
+            stats.update(x[part], z[part])
+    for stats in running:
+        stats.finish()
+    for (G, C), x, z in zip(out, images, targets):
+        assert_exact(G, C, *reference(x, z, 3, 0, True))
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("images_dtype", [np.float32, np.float64])
+def test_blocks_assembled_by_two_threads_equal_one_thread_bit_for_bit(rng, order, images_dtype):
+    images = rng.standard_normal((5, 9, 8, 6)).astype(images_dtype)
+    targets = rng.standard_normal((5, 3)).astype(images_dtype)
+    d = 9 * 6 + 1
+    results = []
+    previous = fastls.set_flops_per_thread(0)  # every kernel at the caller's limit, however small
+    try:
+        for cores in (1, 2):
+            G, C = np.zeros((d, d), order=order), np.zeros((d, 3))
+            with fastls.limit_cores(cores):
+                fastls.conv_gram_update(G, C, images, targets, 3, append_ones=True, method="overlap")
+            results.append(G)
+    finally:
+        fastls.set_flops_per_thread(previous)
+    np.testing.assert_array_equal(results[0], results[1])
+    G_ref, _ = reference(images, targets, 3, 0, True)
+    assert_close(np.triu(results[0]), np.triu(G_ref), images_dtype, 5 * 6 * 7)
