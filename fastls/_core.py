@@ -664,8 +664,13 @@ class ConvStats:
                 self._update_im2col(images, targets, mixed)
             if self._factored is not None:
                 _, sums, column_sums = self._factored
-                # S_j += sum_n targets[n, j] images[n], in float64 (one (k x B) x (B x HWC) product).
-                sums += targets.T.astype(np.float64) @ images.reshape(images.shape[0], -1).astype(np.float64)
+                # S_j += sum_n targets[n, j] images[n]: a (k x B) x (B x HWC) product in the images'
+                # dtype over at most block_rows images, added in float64 (as G's blocks are), on
+                # SciPy's BLAS: NumPy's would wake a second thread pool that spins beside it.
+                pixels = images.reshape(images.shape[0], -1)
+                for first in range(0, images.shape[0], self.block_rows):
+                    rows = slice(first, first + self.block_rows)
+                    sums += matmul(targets[rows].T, pixels[rows], check_finite=False)
                 column_sums += targets.sum(axis=0, dtype=np.float64)
         return self
 
@@ -693,9 +698,10 @@ class ConvStats:
                                             zero=False),
                              np.zeros(len(groups), dtype=np.intp))
         acc, pending = self._partial
-        buf_a = np.empty(chunk * rows_per_image * channels, dtype=dtype)
-        buf_b = np.empty_like(buf_a)
-        sums = np.empty((chunk, d), dtype=dtype)
+        # Scratch of one call; recycled, as fresh pages cost more to fault in than the gathers.
+        buf_a = recycled_array("fastls.ConvStats.gather_a", (chunk * rows_per_image * channels,), dtype, zero=False)
+        buf_b = recycled_array("fastls.ConvStats.gather_b", buf_a.shape, dtype, zero=False)
+        sums = recycled_array("fastls.ConvStats.patch_sums", (chunk, d), dtype, zero=False)
         _kernels.overlap_accumulate(acc, pending, *_layout(self.G), images, targets, groups, cells, blocks,
                                     buf_a, buf_b, sums, self.G, self.C, *_layout(self.C), kh, kw, ph, pw,
                                     out_h, out_w, self.append_ones, chunk, mixed, self.block_rows)
@@ -750,7 +756,7 @@ class ConvStats:
         k, m = basis.shape[2], basis.shape[3]
         patches = im2col(sums.reshape(k, *self.image_shape), (kh, kw), stride=(sh, sw), padding=(ph, pw))
         # Rows of the patches run (j, y, x); the basis rows must too.
-        update = patches.T @ basis.transpose(2, 0, 1, 3).reshape(k * out_h * out_w, m)
+        update = matmul(patches.T, basis.transpose(2, 0, 1, 3).reshape(k * out_h * out_w, m), check_finite=False)
         C = self._C_out
         C[:update.shape[0]] += update.astype(C.dtype, copy=False)
         if self.append_ones:
