@@ -732,38 +732,40 @@ cdef Py_ssize_t _gather(const floating[:, :, :, ::1] images, Py_ssize_t img0,
     return rows
 
 
+cdef inline void _add_block_row(const floating *src, bint rowmajor, Py_ssize_t c,
+                                floating *G, double *G64, Py_ssize_t ldg, Py_ssize_t r0,
+                                Py_ssize_t c0, Py_ssize_t i, bint upper_only) noexcept nogil:
+    """Line i of G[r0:r0+c, c0:c0+c] += src[:c] (G64 when not NULL; upper part only on request).
+
+    In G's layout a line is a row (row-major) or a column (Fortran): the
+    contiguous direction of both src (stored in G's layout) and G.
+    """
+    cdef Py_ssize_t j, j0, j1, offset
+    cdef floating *dst
+    cdef double *dst64
+    if rowmajor:
+        j0, j1 = (i if upper_only else 0), c
+        offset = (r0 + i) * ldg + c0
+    else:
+        j0, j1 = 0, (i + 1 if upper_only else c)
+        offset = r0 + (c0 + i) * ldg
+    if G64 != NULL:
+        dst64 = G64 + offset
+        for j in range(j0, j1):
+            dst64[j] += src[j]
+    else:
+        dst = G + offset
+        for j in range(j0, j1):
+            dst[j] += src[j]
+
+
 cdef void _fold(floating *S, bint rowmajor, Py_ssize_t c, floating *G,
                 double *G64, Py_ssize_t ldg, Py_ssize_t r0, Py_ssize_t c0,
                 bint upper_only) noexcept nogil:
     """G[r0:r0+c, c0:c0+c] += S (S c x c stored in G's layout; upper part only on request)."""
-    cdef Py_ssize_t i, j, j0
-    cdef floating *src
-    cdef floating *dst
-    cdef double *dst64
-    # In G's layout, "outer" runs over rows (row-major) or columns (Fortran)
-    # and the inner loop is contiguous in both S and G.
+    cdef Py_ssize_t i
     for i in range(c):
-        src = S + i * c
-        if rowmajor:
-            j0 = i if upper_only else 0
-            if G64 != NULL:
-                dst64 = G64 + (r0 + i) * ldg + c0
-                for j in range(j0, c):
-                    dst64[j] += src[j]
-            else:
-                dst = G + (r0 + i) * ldg + c0
-                for j in range(j0, c):
-                    dst[j] += src[j]
-        else:
-            j0 = i + 1 if upper_only else c
-            if G64 != NULL:
-                dst64 = G64 + r0 + (c0 + i) * ldg
-                for j in range(j0):
-                    dst64[j] += src[j]
-            else:
-                dst = G + r0 + (c0 + i) * ldg
-                for j in range(j0):
-                    dst[j] += src[j]
+        _add_block_row(S + i * c, rowmajor, c, G, G64, ldg, r0, c0, i, upper_only)
 
 
 cdef void _window_sums(const floating[:, :, :, ::1] images, Py_ssize_t img,
@@ -937,38 +939,18 @@ def overlap_assemble(const floating[:, :, ::1] acc, const Py_ssize_t[::1] pendin
     however many groups feed it. Disjoint block ranges may run in parallel
     threads. The caller restarts the groups (pending 0) afterwards.
     """
-    cdef Py_ssize_t c = acc.shape[1], k, i, j, j0, j1, p, g
+    cdef Py_ssize_t c = acc.shape[1], k, i, p, g, r0, c0
     cdef bint diagonal
     cdef floating *G = NULL
     cdef double *G64 = NULL
-    cdef const floating *src
-    cdef floating *dst
-    cdef double *dst64
     _pointers(G_out, mixed, &G, &G64)
     with nogil:
         for k in range(first, stop):
-            diagonal = block_keys[k, 0] == block_keys[k, 1]
+            r0, c0 = block_keys[k, 0] * c, block_keys[k, 1] * c
+            diagonal = r0 == c0
+            # Line by line, all the groups feeding the block: the line of G stays in cache.
             for i in range(c):
-                # In G's layout, i runs over rows (row-major) or columns (Fortran)
-                # and j is contiguous in acc and G; a diagonal block keeps its upper part.
-                if g_rowmajor:
-                    j0, j1 = (i if diagonal else 0), c
-                    p = (block_keys[k, 0] * c + i) * ldg + block_keys[k, 1] * c
-                else:
-                    j0, j1 = 0, (i + 1 if diagonal else c)
-                    p = block_keys[k, 0] * c + (block_keys[k, 1] * c + i) * ldg
-                if mixed:
-                    dst64 = G64 + p
-                else:
-                    dst = G + p
                 for p in range(block_start[k], block_start[k + 1]):
                     g = block_groups[p]
-                    if pending[g] == 0:
-                        continue
-                    src = &acc[g, i, 0]
-                    if mixed:
-                        for j in range(j0, j1):
-                            dst64[j] += src[j]
-                    else:
-                        for j in range(j0, j1):
-                            dst[j] += src[j]
+                    if pending[g] > 0:
+                        _add_block_row(&acc[g, i, 0], g_rowmajor, c, G, G64, ldg, r0, c0, i, diagonal)
