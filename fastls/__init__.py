@@ -9,6 +9,7 @@ core limits through threadpoolctl and fewer BLAS threads where fewer are faster.
 
 from ._core import (
     DEFAULT_SCRATCH_BYTES,
+    add_upper,
     ConvStats,
     avg_pool2d,
     conv_gram_update,
@@ -45,6 +46,7 @@ __all__ = [
     "gram_update",
     "cross_update",
     "symmetrize",
+    "add_upper",
     "im2col",
     "conv_output_shape",
     "avg_pool2d",

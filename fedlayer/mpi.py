@@ -350,7 +350,8 @@ class MPITransport(Transport):
         self._reap_sends(wait=True)
 
     def sum(self, method, args, keys, *, dtype=np.float64, upper=()):
-        extra = {"keys": list(keys), "dtype": np.dtype(dtype).str, "packed_keys": list(upper) if self.pack_upper else []}
+        extra = {"keys": list(keys), "dtype": np.dtype(dtype).str, "upper_keys": list(upper),
+                 "packed_keys": list(upper) if self.pack_upper else []}
         seq, pending = self._dispatch("sum", method, args, extra)
         busy = {r for r in self.workers if pending[r]}
         last = {r: time.monotonic() for r in busy}
@@ -367,7 +368,7 @@ class MPITransport(Transport):
                 # A rank is busy until its partial sum, which comes after its last client.
                 if pending[source] or source not in busy:
                     self._unexpected(source, header)
-                fold(outcome.totals, header["result"], dtype)
+                fold(outcome.totals, header["result"], dtype, upper)
                 outcome.transport[f"rank {source}"] = {"bytes": header["nbytes"], "receive_s": recv_s}
                 busy.discard(source)
                 continue
@@ -582,7 +583,7 @@ def serve(comm, clients):
 
             try:
                 totals = client_side_sum(clients, method, args, command["keys"], np.dtype(command["dtype"]),
-                                         hooks=_test_hooks, done=report)[0]
+                                         hooks=_test_hooks, done=report, upper=command["upper_keys"])[0]
             except Exception as err:
                 error(None, method, err)
                 continue

@@ -25,6 +25,8 @@ from typing import Iterator
 
 import numpy as np
 
+import fastls
+
 from .timing import payload_bytes
 
 __all__ = ["Transport", "InProcessTransport", "Sum", "overall_accuracy", "fold", "pack_upper", "unpack_upper"]
@@ -86,17 +88,25 @@ def unpack_upper(packed, d=None):
     return G
 
 
-def fold(totals, summed, dtype):
+def fold(totals, summed, dtype, upper=()):
     """Add the entries of ``summed`` into ``totals`` (arrays of float kind in ``dtype``); returns ``totals``.
 
     Integer arrays (the secure protocol's fixed-point words) keep their
-    dtype and wrap around, as modular sums must.
+    dtype and wrap around, as modular sums must. Square matrices under a key
+    of ``upper`` are summed on their upper triangle only (the strict lower
+    triangle of the total stays zero, as after :func:`unpack_upper`): half
+    the memory traffic, 17 s of a full-width DCNN run's server time.
     """
     for key, value in summed.items():
         if isinstance(value, np.ndarray):
             if key not in totals:
                 totals[key] = np.zeros(value.shape, dtype=dtype if value.dtype.kind == "f" else value.dtype)
-            totals[key] += value
+            total = totals[key]
+            if (key in upper and value.ndim == 2 and value.shape[0] == value.shape[1]
+                    and value.dtype == total.dtype and value.dtype.kind == "f"):
+                fastls.add_upper(total, value)
+            else:
+                total += value
         else:
             totals[key] = totals.get(key, 0) + value
     return totals
@@ -148,7 +158,7 @@ class Transport(ABC):
         """Release the clients (and, for MPI, tell the ranks to stop)."""
 
 
-def client_side_sum(clients, method, args, keys, dtype, hooks=None, done=None):
+def client_side_sum(clients, method, args, keys, dtype, hooks=None, done=None, upper=()):
     """Run and fold clients in this process: the rank-local part of a sum (in process: the whole sum).
 
     Returns (totals, receipts, up_bytes, dropped). ``hooks(cid)`` (optional)
@@ -174,7 +184,7 @@ def client_side_sum(clients, method, args, keys, dtype, hooks=None, done=None):
         else:
             up_bytes[cid] = payload_bytes(summed)
             receipts[cid] = {key: value for key, value in result.items() if key not in keys}
-            fold(totals, summed, dtype)
+            fold(totals, summed, dtype, upper)
             del result, summed
         if done is not None:
             done(cid, receipts.get(cid), up_bytes.get(cid), dropped.get(cid))
@@ -200,7 +210,7 @@ class InProcessTransport(Transport):
             yield cid, getattr(client, method)(**kwargs)
 
     def sum(self, method, args, keys, *, dtype=np.float64, upper=()):
-        totals, receipts, up_bytes, dropped = client_side_sum(self._clients, method, args, keys, dtype)
+        totals, receipts, up_bytes, dropped = client_side_sum(self._clients, method, args, keys, dtype, upper=upper)
         return Sum(totals, receipts, up_bytes, dropped)
 
     def client(self, cid):

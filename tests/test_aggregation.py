@@ -45,6 +45,16 @@ def test_fold_keeps_integer_words_wrapping():
     assert totals["w"].dtype == np.uint64 and int(totals["w"][0]) == 5 and totals["n"] == 7
 
 
+def test_fold_sums_upper_keys_on_their_upper_triangle(rng):
+    first, second = rng.standard_normal((2, 6, 6))
+    totals = fold({}, {"G": first, "C": first[:, :2]}, np.float64, upper=("G",))
+    fold(totals, {"G": second, "C": second[:, :2]}, np.float64, upper=("G",))
+    np.testing.assert_array_equal(np.triu(totals["G"]), np.triu(first + second))
+    # The strict lower triangle is left zero, as a packed upper triangle unpacks.
+    np.testing.assert_array_equal(np.tril(totals["G"], -1), 0)
+    np.testing.assert_array_equal(totals["C"], first[:, :2] + second[:, :2])
+
+
 class FailsOn:
     """A client that raises in local_stats for the listed layers (a crash, not a simulated dropout)."""
 

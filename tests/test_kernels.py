@@ -116,6 +116,33 @@ def test_symmetrize(rng):
     np.testing.assert_array_equal(A, full)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("g_order", ORDERS)
+@pytest.mark.parametrize("t_order", ORDERS)
+@pytest.mark.parametrize("d", [1, 7, 300])
+def test_add_upper_matches_numpy(rng, dtype, g_order, t_order, d):
+    G0 = random(rng, (d, d), dtype, g_order)
+    T = random(rng, (d, d), dtype, t_order)
+    G = G0.copy(order=g_order)
+    assert fastls.add_upper(G, T) is G
+    # One addition per entry, as in NumPy: bit-identical on the upper triangle.
+    np.testing.assert_array_equal(np.triu(G), np.triu(G0 + T))
+    np.testing.assert_array_equal(np.tril(G, -1), np.tril(G0, -1))
+
+
+def test_add_upper_refuses_mismatches(rng):
+    G = rng.standard_normal((4, 4))
+    with pytest.raises(ValueError, match="one shape"):
+        fastls.add_upper(G, rng.standard_normal((4, 5)))
+    with pytest.raises(ValueError, match="one shape"):
+        fastls.add_upper(rng.standard_normal((4, 5)), rng.standard_normal((4, 5)))
+    with pytest.raises(TypeError, match="G's dtype float64"):
+        fastls.add_upper(G, G.astype(np.float32))
+    G.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        fastls.add_upper(G, G.copy())
+
+
 # ---------------------------------------------------------------------------
 # im2col and the streaming convolution Gram
 # ---------------------------------------------------------------------------
