@@ -15,6 +15,7 @@ import fastls
 from cases import (
     ACTIVATION_MAPS,
     CONV_LAYERS,
+    FORWARD_CONVS,
     GRAM_SHAPES,
     PROXIMAL_CASES,
     SOLVE_SIZES,
@@ -22,6 +23,7 @@ from cases import (
     conv_inputs,
     conv_stats,
     conv_zeros,
+    forward_inputs,
     gram_fastls,
     gram_scipy,
     proximal_dual,
@@ -36,7 +38,7 @@ from numeric_checks import assert_close
 # Arguments whose cases come from a table of cases.py: full size with
 # --benchmark-enable, small size when the test suite runs the cases once.
 CASE_TABLES = {"shape": GRAM_SHAPES, "layer": CONV_LAYERS, "problem": PROXIMAL_CASES, "d": SOLVE_SIZES,
-               "maps": ACTIVATION_MAPS}
+               "maps": ACTIVATION_MAPS, "conv": FORWARD_CONVS}
 
 
 def pytest_generate_tests(metafunc):
@@ -78,6 +80,19 @@ def test_conv_statistics(benchmark, layer, impl):
     G2, C2 = conv_zeros(channels)
     conv_stats(images[:2], targets[:2], G2, C2, "overlap" if impl == "overlap" else "im2col")
     assert_close(np.triu(G2), np.triu(P.T @ P), np.float32, P.shape[0])
+
+
+@pytest.mark.parametrize("method", ["winograd", "im2col"])
+def test_conv_forward(benchmark, conv, method):
+    """A 3x3 forward convolution of float32 maps: Winograd F(2x2, 3x3) against im2col + gemm."""
+    side, channels, filters, images = conv
+    x, W = forward_inputs(*conv)
+    U = fastls.winograd_filters(W, channels) if method == "winograd" else None
+    benchmark.group = f"conv forward {images}x{side}x{side}x{channels} -> {filters}"
+    out = _run(benchmark, lambda: fastls.conv2d(x, W, 3, bias=True, method=method, filters=U))
+    P = fastls.im2col(x.astype(np.float64), 3, append_ones=True)
+    reference = (P @ W.astype(np.float64)).reshape(out.shape)
+    assert_close(out, reference, np.float32, 16 * W.shape[0])
 
 
 def _numpy_leaky_pool(x):

@@ -17,6 +17,10 @@ GRAM_SHAPES = {"full": [(60000, 65), (60000, 129), (20000, 785), (8000, 4609)],
 # The DCNN's convolutions after the first, at full width: (side, channels, images per call).
 CONV_LAYERS = {"full": [(14, 512, 64), (6, 1024, 64), (4, 2048, 64), (4, 2048, 450)],
                "small": [(14, 32, 4), (6, 64, 4), (4, 128, 4)]}
+# The DCNN's 3x3 forward convolutions at full width: (side, channels, filters, images per call),
+# the images of one 16 MiB forward step (fedlayer.client.FORWARD_STEP_BYTES).
+FORWARD_CONVS = {"full": [(14, 512, 1024, 28), (6, 1024, 2048, 113), (4, 2048, 2048, 128)],
+                 "small": [(6, 32, 33, 2), (5, 40, 32, 3)]}
 # (n rows, d features, m right-hand sides) of a personalization solve: the DCNN's classifier on one client.
 PROXIMAL_CASES = {"full": [(450, 8193, 10)], "small": [(30, 257, 10)]}
 SOLVE_SIZES = {"full": [785, 4609, 9217], "small": [65]}
@@ -90,6 +94,19 @@ def conv_flops(side, channels, batch):
     """Flops counted as N d^2 over the patch rows (the im2col count the rates are quoted in)."""
     out = side - 2
     return gram_flops(batch * out * out, 9 * channels + 1)
+
+
+def forward_inputs(side, channels, filters, images, seed=0):
+    """float32 maps and 3x3 kernels (with a bias row) scaled as trained weights are, for fastls.conv2d."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((images, side, side, channels), dtype=np.float32)
+    W = rng.standard_normal((9 * channels + 1, filters), dtype=np.float32) / np.float32(np.sqrt(9 * channels))
+    return x, W
+
+
+def forward_flops(side, channels, filters, images):
+    """2 x the multiply-adds of im2col + gemm (a 3x3 valid convolution with a bias row)."""
+    return 2.0 * images * (side - 2) ** 2 * (9 * channels + 1) * filters
 
 
 def proximal_problem(n, d, m, seed=0):

@@ -143,6 +143,8 @@ def run_one(algorithm, args):
         "wall_s": time.perf_counter() - start,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "gemm_float32_flops_per_s": rate,
+        "forward_methods": forward_methods(build_model("dcnn", dataset.feature_shape, dataset.n_classes,
+                                                      width=args.width)),
         "width": args.width,
         "machine": f"{platform.machine()}, {fastls.available_cores()} cores",
         "command": " ".join(["python", "experiments/fig6_cifar.py", *sys.argv[1:]]),
@@ -151,8 +153,26 @@ def run_one(algorithm, args):
     print(f"{algorithm}: accuracy {results['accuracy']:.4f}, wall {results['fig6']['wall_s']:.0f} s", flush=True)
 
 
-def layer_work(model, n_train):
-    """Per trainable position: (forward flops of the training data into it, statistics flops)."""
+def forward_methods(model):
+    """Per trainable layer, the forward method fastls picks now: 'winograd' or 'im2col' ('matmul' for Dense)."""
+    methods = []
+    for index in model.trainable:
+        layer, shape = model.layers[index], model.input_shape_of(index)
+        if not hasattr(layer, "kernel_size"):
+            methods.append("matmul")
+            continue
+        methods.append(fastls.conv2d_method(layer.kernel_size, layer.stride, shape[-1], layer.filters))
+    return methods
+
+
+def layer_work(model, n_train, methods=None):
+    """Per trainable position: (forward flops of the training data into it, statistics flops).
+
+    The forward pass counts the multiply-adds of ``methods`` (per trainable
+    layer, as :func:`forward_methods`; im2col's when None, as runs before
+    Winograd recorded none): Winograd F(2x2, 3x3) computes 16 C F per 2 x 2
+    block of outputs instead of 36 C F.
+    """
     work = []
     for position, index in enumerate(model.trainable):
         previous = model.trainable[position - 1] if position else None
@@ -162,6 +182,9 @@ def layer_work(model, n_train):
             shape = model.input_shape_of(previous)
             d, m = layer.ls_shape(shape)
             forward = 2.0 * n_train * layer.rows_per_sample(shape) * d * m
+            if methods is not None and methods[position - 1] == "winograd":
+                out_h, out_w, _ = layer.output_shape(shape)
+                forward = 2.0 * n_train * (-(-out_h // 2)) * (-(-out_w // 2)) * 16 * shape[-1] * m
         shape = model.input_shape_of(index)
         work.append((forward, model.layers[index].gram_flops(shape, n_train)))
     return work
@@ -191,7 +214,6 @@ def report(args):
     n_train = sum(c.n_train for c in dataset.clients)
     model = build_model("dcnn", dataset.feature_shape, dataset.n_classes, width=args.width)
     shapes = [model.layers[i].ls_shape(model.input_shape_of(i)) for i in model.trainable]
-    work = layer_work(model, n_train)
     any_run = next(iter(runs.values()))["fig6"]
 
     lines = [
@@ -264,10 +286,13 @@ def report(args):
         if results["fig6"].get("derived"):
             continue
         rate = results["fig6"]["gemm_float32_flops_per_s"]
+        methods = results["fig6"].get("forward_methods")
+        work = layer_work(model, n_train, methods)
         lines += [
             "",
             f"### {algorithm}: time per layer, summed over the clients (float32 gemm measured at "
-            f"{rate / 1e9:.0f} GFLOP/s at the start of the run)",
+            f"{rate / 1e9:.0f} GFLOP/s at the start of the run; forward convolutions by "
+            f"{'im2col' if methods is None else ' / '.join(methods)})",
             "",
             "| stage | layer | forward s | statistics s | client solve s | floor s | clients / floor | "
             "server solve s | evaluation s |",
@@ -286,7 +311,8 @@ def report(args):
                 f"{ratio:.2f} | {record['server_s']:.1f} | {record.get('eval_s', 0.0):.1f} |")
     lines += [
         "",
-        "The floor counts the forward pass into the layer (2 N P d m) and the statistics by the method fastls "
+        "The floor counts the forward pass into the layer by the method the run used (im2col: 2 N P d m; "
+        "Winograd F(2x2, 3x3): 2 N (tiles) 16 C F) and the statistics by the method fastls "
         "picks (the overlap's displacement products on stride-1 maps, else N P d^2) at the float32 gemm rate; "
         "solves run in float64 and are not in it. Personalization rounds also redo the statistics (primal) or "
         "build the patch rows (dual) through the client's own earlier layers.",

@@ -25,6 +25,7 @@ import fastls
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from cases import (  # noqa: E402
     CONV_LAYERS,
+    FORWARD_CONVS,
     GRAM_SHAPES,
     PROXIMAL_CASES,
     SOLVE_SIZES,
@@ -33,6 +34,8 @@ from cases import (  # noqa: E402
     conv_inputs,
     conv_stats,
     conv_zeros,
+    forward_flops,
+    forward_inputs,
     gram_fastls,
     gram_flops,
     gram_scipy,
@@ -98,6 +101,22 @@ def conv_table(repeat):
     return rows, rates
 
 
+def forward_table(repeat):
+    rows = ["| map, filters, images | im2col + gemm s | Winograd s | Winograd speed-up | "
+            "im2col GFLOP/s | Winograd GFLOP/s (im2col's count) |", "|---|---|---|---|---|---|"]
+    for side, channels, filters, images in FORWARD_CONVS["full"]:
+        x, W = forward_inputs(side, channels, filters, images)
+        U = fastls.winograd_filters(W, channels)  # kept across calls, as fedlayer keeps it per weights
+        t = best_times({"im2col": lambda: fastls.conv2d(x, W, 3, bias=True, method="im2col"),
+                        "winograd": lambda: fastls.conv2d(x, W, 3, bias=True, method="winograd", filters=U)},
+                       repeat)
+        flops = forward_flops(side, channels, filters, images)
+        rows.append(f"| {side}x{side}x{channels}, {filters}, {images} | {t['im2col']:.3f} | {t['winograd']:.3f} | "
+                    f"{t['im2col'] / t['winograd']:.2f}x | {flops / t['im2col'] / 1e9:.0f} | "
+                    f"{flops / t['winograd'] / 1e9:.0f} |")
+    return rows
+
+
 def proximal_table(repeat):
     rows = ["| n x d, m | primal s | dual s | dual speed-up | cost model picks |", "|---|---|---|---|---|"]
     for n, d, m in PROXIMAL_CASES["full"]:
@@ -142,6 +161,8 @@ def main():
               f"counted for both (im2col's work; the overlap saves less of it on the 4x4 map), "
               f"{wide_done / base_done:.2f}x in the multiply-adds the overlap performs "
               f"({wide_done:.0f} against {base_done:.0f} GFLOP/s)."]
+    lines += ["", "### Forward 3x3 convolutions, float32 (bias row; the images of one 16 MiB forward step)", ""]
+    lines += forward_table(args.repeat)
     lines += ["", "### Proximal solve: primal (G, then Cholesky of d x d) against dual (Cholesky of n x n)", ""]
     lines += proximal_table(args.repeat)
     lines += ["", "### Ridge solve", ""] + solve_table(args.repeat)

@@ -1,10 +1,11 @@
 """fastls: compiled least-squares kernels for analytic learning.
 
-Gram accumulation (syrk), cross and forward products (gemm), im2col, average
-pooling, leaky ReLU in place, a streaming convolution Gram, Cholesky ridge and
-proximal solves, ridge paths with GCV and leave-one-out selection of the shift,
-all float32/float64 with C- or Fortran-ordered inputs and the GIL released, plus
-core limits through threadpoolctl and fewer BLAS threads where fewer are faster.
+Gram accumulation (syrk), cross and forward products (gemm), im2col and
+Winograd F(2x2, 3x3) convolutions, average pooling, leaky ReLU in place, a
+streaming convolution Gram, Cholesky ridge and proximal solves, ridge paths
+with GCV and leave-one-out selection of the shift, all float32/float64 with C-
+or Fortran-ordered inputs and the GIL released, plus core limits through
+threadpoolctl and fewer BLAS threads where fewer are faster.
 """
 
 from ._core import (
@@ -27,6 +28,7 @@ from ._core import (
     scale_negatives,
     symmetrize,
 )
+from ._conv import WINOGRAD_MIN_CHANNELS, conv2d, conv2d_method, winograd_filters
 from ._select import DEFAULT_GRID, RidgePath
 from ._workspace import recycled_array
 from ._threads import (
@@ -48,6 +50,10 @@ __all__ = [
     "symmetrize",
     "add_upper",
     "im2col",
+    "conv2d",
+    "conv2d_method",
+    "winograd_filters",
+    "WINOGRAD_MIN_CHANNELS",
     "conv_output_shape",
     "avg_pool2d",
     "scale_negatives",

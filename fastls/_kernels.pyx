@@ -954,3 +954,101 @@ def overlap_assemble(const floating[:, :, ::1] acc, const Py_ssize_t[::1] pendin
                     g = block_groups[p]
                     if pending[g] > 0:
                         _add_block_row(&acc[g, i, 0], g_rowmajor, c, G, G64, ldg, r0, c0, i, diagonal)
+
+
+# ---------------------------------------------------------------------------
+# Winograd F(2x2, 3x3) transforms (the products run through gemm in between)
+# ---------------------------------------------------------------------------
+
+cdef inline void _diff(floating *out, const floating *a, const floating *b, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        out[i] = a[i] - b[i]
+
+
+cdef inline void _sum(floating *out, const floating *a, const floating *b, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        out[i] = a[i] + b[i]
+
+
+def winograd_input(const floating[:, :, :, ::1] x, floating[:, :, ::1] V, floating[::1] scratch,
+                   Py_ssize_t th, Py_ssize_t tw):
+    """V[4 i + j, tile] = (B^T d B)[i, j], d the 4 x 4 tile at (2 ty, 2 tx) of the padded maps x; tiles (b, ty, tx).
+
+    B^T = [[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]]: rows
+    first (t = B^T d, four channel vectors per column in ``scratch``, 16 C
+    values), then columns, each step one vectorizable loop over the channels.
+    """
+    cdef Py_ssize_t n = x.shape[0], c = x.shape[3], tile, v, i
+    cdef const floating *d[4]
+    cdef floating *t
+    cdef floating *rows = &scratch[0]
+    with nogil:
+        for tile in range(n * th * tw):
+            for v in range(4):
+                for i in range(4):
+                    d[i] = &x[tile // (th * tw), 2 * (tile // tw % th) + i, 2 * (tile % tw) + v, 0]
+                # rows[4 i + v] = (B^T d)[i, v]
+                _diff(rows + (0 + v) * c, d[0], d[2], c)
+                _sum(rows + (4 + v) * c, d[1], d[2], c)
+                _diff(rows + (8 + v) * c, d[2], d[1], c)
+                _diff(rows + (12 + v) * c, d[1], d[3], c)
+            for i in range(4):
+                t = rows + 4 * i * c
+                _diff(&V[4 * i + 0, tile, 0], t, t + 2 * c, c)
+                _sum(&V[4 * i + 1, tile, 0], t + c, t + 2 * c, c)
+                _diff(&V[4 * i + 2, tile, 0], t + 2 * c, t + c, c)
+                _diff(&V[4 * i + 3, tile, 0], t + c, t + 3 * c, c)
+
+
+def winograd_output(const floating[:, :, ::1] M, floating[:, :, :, ::1] out, const floating[::1] bias,
+                    bint has_bias, floating[::1] scratch, Py_ssize_t th, Py_ssize_t tw):
+    """out[b, 2 ty + r, 2 tx + s] = (A^T m A)[r, s] (+ bias) for each tile's 4 x 4 m = M[:, tile]; clipped to out.
+
+    A^T = [[1, 1, 1, 0], [0, 1, -1, -1]]: s = A^T m row pairs (eight filter
+    vectors in ``scratch``, 8 F values), then the two columns of each, one
+    loop over the filters each.
+    """
+    cdef Py_ssize_t oh = out.shape[1], ow = out.shape[2], f = out.shape[3]
+    cdef Py_ssize_t b, ty, tx, j, r, k, tile, y, x
+    cdef const floating *m[16]
+    cdef floating *s0
+    cdef floating *dst
+    cdef floating *rows = &scratch[0]
+    with nogil:
+        for b in range(out.shape[0]):
+            for ty in range(th):
+                for tx in range(tw):
+                    tile = (b * th + ty) * tw + tx
+                    for k in range(16):
+                        m[k] = &M[k, tile, 0]
+                    for j in range(4):
+                        # rows[j] = m[0, j] + m[1, j] + m[2, j]; rows[4 + j] = m[1, j] - m[2, j] - m[3, j]
+                        s0 = rows + j * f
+                        for k in range(f):
+                            s0[k] = m[j][k] + m[4 + j][k] + m[8 + j][k]
+                        s0 = rows + (4 + j) * f
+                        for k in range(f):
+                            s0[k] = m[4 + j][k] - m[8 + j][k] - m[12 + j][k]
+                    for r in range(2):
+                        y = 2 * ty + r
+                        if y >= oh:
+                            break
+                        s0 = rows + 4 * r * f
+                        x = 2 * tx
+                        dst = &out[b, y, x, 0]
+                        if has_bias:
+                            for k in range(f):
+                                dst[k] = s0[k] + s0[f + k] + s0[2 * f + k] + bias[k]
+                        else:
+                            for k in range(f):
+                                dst[k] = s0[k] + s0[f + k] + s0[2 * f + k]
+                        if x + 1 < ow:
+                            dst = &out[b, y, x + 1, 0]
+                            if has_bias:
+                                for k in range(f):
+                                    dst[k] = s0[f + k] - s0[2 * f + k] - s0[3 * f + k] + bias[k]
+                            else:
+                                for k in range(f):
+                                    dst[k] = s0[f + k] - s0[2 * f + k] - s0[3 * f + k]

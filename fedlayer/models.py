@@ -49,6 +49,7 @@ import math
 import numbers
 import operator
 import os
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -854,18 +855,32 @@ class Conv2d(TrainableLayer):
         if self._n_inputs(x.shape[1:]) != W.shape[0]:
             channels = (W.shape[0] - self.bias) // (self.kernel_size[0] * self.kernel_size[1])
             raise ValueError(f"{self!r} expects images with {channels} channels (B, H, W, {channels}), got {x.shape}")
-        oh, ow, F = self.output_shape(x.shape[1:])
-        B = x.shape[0]
-        out = np.empty((B, oh, ow, F), dtype=W.dtype)
-        # Patches of all images would be B * oh * ow * n_inputs values (GBs
-        # for the DCNN), so images go through im2col a chunk at a time.
-        per_image = oh * ow * W.shape[0] * W.dtype.itemsize
-        step = max(1, _positive_int("scratch_bytes", scratch_bytes) // per_image)
-        for start in range(0, B, step):
-            stop = min(B, start + step)
-            P = fastls.im2col(x[start:stop], self.kernel_size, **self._conv_kwargs())
-            fastls.matmul(P, W, out=out[start:stop].reshape(-1, F), check_finite=False)
-        return out
+        channels = x.shape[3]
+        method = fastls.conv2d_method(self.kernel_size, self.stride, channels, self.filters)
+        filters = _winograd_filters(W, channels) if method == "winograd" else None
+        # fastls bounds the patches (or transformed tiles) of a chunk of images by scratch_bytes.
+        return fastls.conv2d(x, W, self.kernel_size, stride=self.stride, padding=self.padding, bias=self.bias,
+                             method=method, filters=filters,
+                             scratch_bytes=_positive_int("scratch_bytes", scratch_bytes))
+
+
+# Winograd transforms of read-only weights, shared like the weights themselves
+# (one per layer and process, not one per simulated client): id -> (weakref, U).
+_WINOGRAD_FILTERS = {}
+
+
+def _winograd_filters(W, channels):
+    """fastls.winograd_filters(W, channels), kept while W lives when W is read-only (nobody can change it)."""
+    if W.flags.writeable:
+        return fastls.winograd_filters(W, channels)
+    key = id(W)
+    held = _WINOGRAD_FILTERS.get(key)
+    if held is not None and held[0]() is W:
+        return held[1]
+    U = fastls.winograd_filters(W, channels)
+    U.flags.writeable = False
+    _WINOGRAD_FILTERS[key] = (weakref.ref(W, lambda _, key=key: _WINOGRAD_FILTERS.pop(key, None)), U)
+    return U
 
 
 class _LayerStatistics:
