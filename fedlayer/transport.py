@@ -95,7 +95,7 @@ def fold(totals, summed, dtype, upper=()):
     dtype and wrap around, as modular sums must. Square matrices under a key
     of ``upper`` are summed on their upper triangle only (the strict lower
     triangle of the total stays zero, as after :func:`unpack_upper`): half
-    the memory traffic, 17 s of a full-width DCNN run's server time.
+    the memory traffic (0.22 s against 0.38 s per client at d = 18,433).
     """
     for key, value in summed.items():
         if isinstance(value, np.ndarray):
