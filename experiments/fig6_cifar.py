@@ -50,7 +50,7 @@ import numpy as np
 import fastls
 from dev_layout import use_shared_data
 from fedlayer.checkpoint import load_checkpoint
-from fedlayer.models import build_model
+from fedlayer.models import Conv2d, build_model
 from fedlayer.run import RunConfig, load_dataset, run
 from fedlayer.timing import time_summary
 
@@ -158,7 +158,7 @@ def forward_methods(model):
     methods = []
     for index in model.trainable:
         layer, shape = model.layers[index], model.input_shape_of(index)
-        if not hasattr(layer, "kernel_size"):
+        if not isinstance(layer, Conv2d):
             methods.append("matmul")
             continue
         methods.append(fastls.conv2d_method(layer.kernel_size, layer.stride, shape[-1], layer.filters))

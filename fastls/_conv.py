@@ -146,7 +146,7 @@ def conv2d(images, W, kernel_size, *, padding=0, stride=1, bias=False, method="a
     elif filters.shape != (16, C, F) or filters.dtype != W.dtype:
         raise ValueError(f"filters must be winograd_filters(W, {C}): shape {(16, C, F)}, dtype {W.dtype}; "
                          f"got {filters.shape} {filters.dtype}")
-    bias_row = np.ascontiguousarray(W[-1]) if bias else np.zeros(1, dtype=W.dtype)
+    bias_row = np.ascontiguousarray(W[-1]) if bias else np.zeros(F, dtype=W.dtype)
     th, tw = -(-out_h // 2), -(-out_w // 2)
     hp, wp = 2 * th + 2, 2 * tw + 2
     itemsize = images.dtype.itemsize
@@ -174,5 +174,5 @@ def conv2d(images, W, kernel_size, *, padding=0, stride=1, bias=False, method="a
         _kernels.winograd_input(tiles_of, V, scratch[:16 * C], th, tw)
         for k in range(16):
             matmul(V[k], filters[k], out=M[k], check_finite=False)
-        _kernels.winograd_output(M, out[first:first + n], bias_row, bias, scratch[:8 * F], th, tw)
+        _kernels.winograd_output(M, out[first:first + n], bias_row, scratch[:8 * F], th, tw)
     return out

@@ -980,15 +980,16 @@ def winograd_input(const floating[:, :, :, ::1] x, floating[:, :, ::1] V, floati
     first (t = B^T d, four channel vectors per column in ``scratch``, 16 C
     values), then columns, each step one vectorizable loop over the channels.
     """
-    cdef Py_ssize_t n = x.shape[0], c = x.shape[3], tile, v, i
+    cdef Py_ssize_t n = x.shape[0], c = x.shape[3], tile, b, y0, x0, v, i
     cdef const floating *d[4]
     cdef floating *t
     cdef floating *rows = &scratch[0]
     with nogil:
         for tile in range(n * th * tw):
+            b, y0, x0 = tile // (th * tw), 2 * (tile // tw % th), 2 * (tile % tw)
             for v in range(4):
                 for i in range(4):
-                    d[i] = &x[tile // (th * tw), 2 * (tile // tw % th) + i, 2 * (tile % tw) + v, 0]
+                    d[i] = &x[b, y0 + i, x0 + v, 0]
                 # rows[4 i + v] = (B^T d)[i, v]
                 _diff(rows + (0 + v) * c, d[0], d[2], c)
                 _sum(rows + (4 + v) * c, d[1], d[2], c)
@@ -1003,8 +1004,8 @@ def winograd_input(const floating[:, :, :, ::1] x, floating[:, :, ::1] V, floati
 
 
 def winograd_output(const floating[:, :, ::1] M, floating[:, :, :, ::1] out, const floating[::1] bias,
-                    bint has_bias, floating[::1] scratch, Py_ssize_t th, Py_ssize_t tw):
-    """out[b, 2 ty + r, 2 tx + s] = (A^T m A)[r, s] (+ bias) for each tile's 4 x 4 m = M[:, tile]; clipped to out.
+                    floating[::1] scratch, Py_ssize_t th, Py_ssize_t tw):
+    """out[b, 2 ty + r, 2 tx + s] = (A^T m A)[r, s] + bias for each tile's 4 x 4 m = M[:, tile]; clipped to out.
 
     A^T = [[1, 1, 1, 0], [0, 1, -1, -1]]: s = A^T m row pairs (eight filter
     vectors in ``scratch``, 8 F values), then the two columns of each, one
@@ -1038,17 +1039,9 @@ def winograd_output(const floating[:, :, ::1] M, floating[:, :, :, ::1] out, con
                         s0 = rows + 4 * r * f
                         x = 2 * tx
                         dst = &out[b, y, x, 0]
-                        if has_bias:
-                            for k in range(f):
-                                dst[k] = s0[k] + s0[f + k] + s0[2 * f + k] + bias[k]
-                        else:
-                            for k in range(f):
-                                dst[k] = s0[k] + s0[f + k] + s0[2 * f + k]
+                        for k in range(f):
+                            dst[k] = s0[k] + s0[f + k] + s0[2 * f + k] + bias[k]
                         if x + 1 < ow:
                             dst = &out[b, y, x + 1, 0]
-                            if has_bias:
-                                for k in range(f):
-                                    dst[k] = s0[f + k] - s0[2 * f + k] - s0[3 * f + k] + bias[k]
-                            else:
-                                for k in range(f):
-                                    dst[k] = s0[f + k] - s0[2 * f + k] - s0[3 * f + k]
+                            for k in range(f):
+                                dst[k] = s0[f + k] - s0[2 * f + k] - s0[3 * f + k] + bias[k]
