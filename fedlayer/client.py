@@ -113,18 +113,21 @@ def target_bases(model, seed, conv_targets="position"):
 
     Hidden-layer targets are Z_l = Y Q_l, so X^T Z_l = (X^T Y) Q_l and every
     solve can run on the n_classes columns of its coordinates in Q_l (the
-    ``rhs_basis`` of the fastls solves). None for the output layer and for
-    convolutions coded per position (their X^T Z_l sums a different code per
-    position: it has no n_classes-column form).
+    ``rhs_basis`` of the fastls solves). A convolution coded per position
+    gives the rows of output position p the code Q_l,p (n_classes x
+    filters), so X^T Z_l = sum_p (X_p^T Y) Q_l,p lies in the row space of
+    the stacked codes, (positions x n_classes, filters), row p * n_classes + c
+    holding Q_l,p's row c. None where the basis would be no narrower than the
+    layer (it saves nothing), and for the output layer.
     """
     widths = encoder_widths(model, conv_targets)
     n_classes = widths[-1]
     bases = []
     for index, Q in zip(model.trainable, label_encoders(seed, n_classes, widths)):
-        per_position = model.layers[index].rows_per_sample(model.input_shape_of(index)) > 1 \
-            and conv_targets == "position"
-        # A basis helps only when it is narrower than the layer.
-        bases.append(None if per_position or Q.shape[0] >= Q.shape[1] else Q.astype(model.dtype))
+        positions = model.layers[index].rows_per_sample(model.input_shape_of(index)) \
+            if conv_targets == "position" else 1
+        stacked = Q.reshape(n_classes, positions, -1).transpose(1, 0, 2).reshape(positions * n_classes, -1)
+        bases.append(stacked.astype(model.dtype) if stacked.shape[0] < stacked.shape[1] else None)
     return bases + [None]
 
 
@@ -650,10 +653,15 @@ class Client:
                 forward_s = time.perf_counter() - start
                 stats_start = time.perf_counter()
                 A = layer.ls_rows(np.asarray(x))
-                labels = np.repeat(self.data.y_train, layer.rows_per_sample(input_shape))
-                # With a basis the targets are passed as their coordinates Y (Z = Y Q).
-                Z = (one_hot(labels, self.n_classes, dtype=np.float64) if basis is not None
-                     else self._row_targets(position, self.data.y_train))
+                rows_per_sample = layer.rows_per_sample(input_shape)
+                labels = np.repeat(self.data.y_train, rows_per_sample)
+                # With a basis the targets are passed as their one-hot coordinates in it (see target_bases).
+                if basis is None:
+                    Z = self._row_targets(position, self.data.y_train)
+                else:
+                    codes = labels if self._position_shape(position) is None else \
+                        labels + np.tile(np.arange(rows_per_sample) * self.n_classes, self.data.n_train)
+                    Z = one_hot(codes, basis.shape[0], dtype=np.float64)
                 stats_s = time.perf_counter() - stats_start
                 solve_start = time.perf_counter()
                 path = fastls.RidgePath.from_rows(A, Z, center=M, rhs_basis=basis)

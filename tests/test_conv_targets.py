@@ -1,5 +1,6 @@
 """Label codes per output position for convolutions (conv_targets="position", the paper's d_l)."""
 
+import fastls
 import numpy as np
 import pytest
 
@@ -65,3 +66,52 @@ def test_fedacnnl_with_position_codes_equals_centralized(rng):
     federated = run(np.array_split(rng.permutation(40), 3))
     for W_fed, W_central in zip(federated, central):
         assert_close(W_fed, W_central, np.float64, rtol=1e-9)
+
+
+def _wide_client(rng, n):
+    """A client of a DCNN wide enough (1/16) that its last two convolutions have more filters than positions x classes."""
+    x = rng.random((n, 32, 32, 3))
+    y = rng.integers(0, N_CLASSES, n)
+    model = build_model("dcnn", (32, 32, 3), N_CLASSES, width=1 / 16)
+    return Client(0, client_data(x, y, np.arange(n)), model.config(), seed=3, n_classes=N_CLASSES), x, y
+
+
+def test_position_codes_solve_on_their_stacked_codes(rng):
+    """C = sum_p (X_p^T Y) Q_p lies in the row space of the stacked Q_p: server and client solves on its
+    positions x classes coordinates give the weights of the solves on all the filters."""
+    client, x, y = _wide_client(rng, 60)
+    model = client.model
+    bases = target_bases(model, 3)
+    assert [basis is not None for basis in bases] == [False, False, True, True, False]
+    for position, index in enumerate(model.trainable):
+        G, C, _, _ = client._statistics(position, 16, None)
+        W = fastls.ridge_solve(G, C, 100.0)
+        if bases[position] is not None:
+            layer = model.layers[index]
+            assert bases[position].shape == (layer.rows_per_sample(model.input_shape_of(index)) * N_CLASSES,
+                                             layer.filters)
+            assert_close(fastls.ridge_solve(G, C, 100.0, rhs_basis=bases[position]), W, np.float64, rtol=1e-9)
+        client.set_weights(position, W)
+    eps = 2500.0
+    # 60 images: 960 patch rows against 577 inputs at the third convolution (primal), 240 against 1153 at the fourth (dual).
+    for position, method in ((2, "primal"), (3, "dual")):
+        index = model.trainable[position]
+        A = model.layers[index].ls_rows(model.forward(x, stop=index))
+        Z = client._row_targets(position, y)
+        M = client.meta_weights[position]
+        expected = np.linalg.solve(A.T @ A + eps * np.eye(A.shape[1]), A.T @ Z + eps * M)
+        W, record = client._personalize(position, eps, 16)
+        assert record["method"] == method
+        assert_close(W, expected, np.float64, rtol=1e-9)
+    # eps chosen by leave-one-out from the rows: the coordinates in the stacked codes pick what the full targets pick.
+    A = model.layers[model.trainable[3]].ls_rows(model.forward(x, stop=model.trainable[3]))
+    path = fastls.RidgePath.from_rows(A, client._row_targets(3, y), center=client.meta_weights[3])
+    chosen, _, _ = path.select("loo")
+    W, record = client._personalize(3, "auto", 16)
+    # The minimizer of a flat criterion, and a near-interpolating solve (eps ~ 1e-5 on these random
+    # inputs): both agree to the rounding of a system of condition (lambda_max + eps) / eps.
+    assert record["method"] == "loo" and record["eps"] == pytest.approx(chosen, rel=1e-6)
+    expected = np.linalg.solve(A.T @ A + chosen * np.eye(A.shape[1]),
+                               A.T @ client._row_targets(3, y) + chosen * client.meta_weights[3])
+    condition = (np.linalg.eigvalsh(A @ A.T).max() + chosen) / chosen
+    assert_close(W, expected, np.float64, rtol=100 * condition * np.finfo(np.float64).eps)
