@@ -236,7 +236,7 @@ def _shareable(W, dtype):
 def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500.0, groups=10, seed=0,
                  batch_size=64, max_batch_size=1024, clock=Clock(), stat_dtype=np.float64, progress=None,
                  checkpoint=None, resume=None, fingerprint=None, target_bases=None, gamma_scope="all",
-                 secure=None, eval_every=1):
+                 secure=None, eval_every=1, weights_dtype=None):
     """Run one algorithm over ``transport``'s clients; returns the results record.
 
     Parameters
@@ -288,6 +288,14 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         (federated and personalization rounds counted together) and after
         the last; the others record None. At full DCNN width an evaluation
         through the still-untrained later layers costs minutes.
+    weights_dtype : dtype or None, default=None (``stat_dtype``)
+        Precision in which the server keeps each solved layer, sends it to
+        the clients (who personalize around it, eq. 13) and returns it. The
+        solve itself runs in ``stat_dtype``. Pass the model's dtype when it
+        is float32: the clients compute in it anyway, and a model of K
+        groups then costs the server half the memory (at full DCNN width
+        with K = 10: 2.4 GB instead of 4.9 GB, plus the clients' float32
+        copies, which it then shares).
 
     Returns
     -------
@@ -295,6 +303,7 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
     "group_weights" (group -> list of (n_in, n_out) arrays) and "accuracy".
     """
     auto_gamma = gamma == "auto"
+    weights_dtype = np.dtype(stat_dtype if weights_dtype is None else weights_dtype)
     cids = transport.client_ids
     first_batch = batch_size if isinstance(batch_size, dict) else {cid: int(batch_size) for cid in cids}
     max_batch = max_batch_size if isinstance(max_batch_size, dict) else {cid: int(max_batch_size) for cid in cids}
@@ -347,7 +356,7 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
     if resume is not None:
         layers_done = resume["layers_done"]
         batch, first_durations = resume["batch"], resume["first_durations"]
-        group_weights = {k: [_shareable(W, stat_dtype) for W in layers] for k, layers in resume["group_weights"].items()}
+        group_weights = {k: [_shareable(W, weights_dtype) for W in layers] for k, layers in resume["group_weights"].items()}
         for position in range(layers_done):
             set_args = {cid: {"position": position, "weights": group_weights[group_of[cid]][position]} for cid in cids}
             for _ in transport.call("set_weights", set_args):
@@ -360,7 +369,7 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         pending, pooled = {}, None  # pooled gamma: each group's sums, and their total
 
         def install(k, W):
-            weights[k] = _shareable(W, stat_dtype)
+            weights[k] = _shareable(W, weights_dtype)
             group_weights[k].append(weights[k])
 
         # One group at a time: the server holds one group's sums and one
