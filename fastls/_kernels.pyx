@@ -12,7 +12,7 @@ from cython cimport floating
 from libc.string cimport memcpy, memset
 from libc.stdlib cimport malloc, free
 
-from scipy.linalg.cython_blas cimport ssyrk, dsyrk, sgemm, dgemm
+from scipy.linalg.cython_blas cimport ssyrk, dsyrk, sgemm, dgemm, strsm, dtrsm
 from scipy.linalg.cython_lapack cimport spotrf, dpotrf, spotrs, dpotrs
 
 
@@ -20,14 +20,23 @@ from scipy.linalg.cython_lapack cimport spotrf, dpotrf, spotrs, dpotrs
 # Thin typed BLAS/LAPACK wrappers (fused over float32/float64)
 # ---------------------------------------------------------------------------
 
-cdef inline void _syrk(char uplo, char trans, int n, int k, floating alpha,
-                       floating *a, int lda, floating beta,
-                       floating *c, int ldc) noexcept nogil:
-    """C := alpha op(A) op(A)^T + beta C (one triangle)."""
-    if floating is float:
-        ssyrk(&uplo, &trans, &n, &k, &alpha, a, &lda, &beta, c, &ldc)
-    else:
-        dsyrk(&uplo, &trans, &n, &k, &alpha, a, &lda, &beta, c, &ldc)
+# Widest triangle (and triangular system) handed to BLAS in one call. OpenBLAS
+# 0.3.30 (SciPy 1.17's) writes past its buffers in a two-thread dsyrk from
+# n of about 15,000 with k >= 1,024, and so in potrf, which calls it
+# (SIGSEGV at d = 18,433 in a full-width DCNN solve); at n <= 14,337 and in
+# gemm it did not. Wider ones go in column panels of _PANEL.
+cdef int _ONE_CALL_MAX = 12288
+cdef int _PANEL = 4096
+
+
+def set_blas_panels(int one_call_max, int panel):
+    """Set (_ONE_CALL_MAX, _PANEL); returns the previous pair. For tests: small panels on small matrices."""
+    global _ONE_CALL_MAX, _PANEL
+    if one_call_max < 1 or panel < 1:
+        raise ValueError(f"one_call_max and panel must be >= 1, got {one_call_max} and {panel}")
+    previous = (_ONE_CALL_MAX, _PANEL)
+    _ONE_CALL_MAX, _PANEL = one_call_max, panel
+    return previous
 
 
 cdef inline void _gemm(char ta, char tb, int m, int n, int k, floating alpha,
@@ -40,6 +49,46 @@ cdef inline void _gemm(char ta, char tb, int m, int n, int k, floating alpha,
         dgemm(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc)
 
 
+cdef inline void _syrk_call(char uplo, char trans, int n, int k, floating alpha,
+                            floating *a, int lda, floating beta,
+                            floating *c, int ldc) noexcept nogil:
+    if floating is float:
+        ssyrk(&uplo, &trans, &n, &k, &alpha, a, &lda, &beta, c, &ldc)
+    else:
+        dsyrk(&uplo, &trans, &n, &k, &alpha, a, &lda, &beta, c, &ldc)
+
+
+cdef void _syrk(char uplo, char trans, int n, int k, floating alpha,
+                floating *a, int lda, floating beta,
+                floating *c, int ldc) noexcept nogil:
+    """C := alpha op(A) op(A)^T + beta C (one triangle); above _ONE_CALL_MAX columns, a syrk and a gemm per panel."""
+    cdef int c0 = 0, width
+    cdef Py_ssize_t lc = ldc, la = lda
+    cdef floating *panel_rows  # op(A)'s rows c0.. : A's rows (trans N) or columns (trans T)
+    if n <= _ONE_CALL_MAX:
+        _syrk_call(uplo, trans, n, k, alpha, a, lda, beta, c, ldc)
+        return
+    while c0 < n:
+        width = min(_PANEL, n - c0)
+        panel_rows = a + c0 if trans == c'N' else a + c0 * la
+        _syrk_call(uplo, trans, width, k, alpha, panel_rows, lda, beta, c + c0 + c0 * lc, ldc)
+        if uplo == c'U' and c0 > 0:
+            # C[0:c0, c0:c0+width] (above the diagonal block)
+            if trans == c'N':
+                _gemm(c'N', c'T', c0, width, k, alpha, a, lda, panel_rows, lda, beta, c + c0 * lc, ldc)
+            else:
+                _gemm(c'T', c'N', c0, width, k, alpha, a, lda, panel_rows, lda, beta, c + c0 * lc, ldc)
+        elif uplo == c'L' and c0 + width < n:
+            # C[c0+width:n, c0:c0+width] (below the diagonal block)
+            if trans == c'N':
+                _gemm(c'N', c'T', n - c0 - width, width, k, alpha, a + c0 + width, lda, panel_rows, lda, beta,
+                      c + c0 + width + c0 * lc, ldc)
+            else:
+                _gemm(c'T', c'N', n - c0 - width, width, k, alpha, a + (c0 + width) * la, lda, panel_rows, lda,
+                      beta, c + c0 + width + c0 * lc, ldc)
+        c0 += width
+
+
 cdef inline int _potrf(char uplo, int n, floating *a, int lda) noexcept nogil:
     """A = U^T U (Cholesky, one triangle); returns LAPACK's info."""
     cdef int info = 0
@@ -48,6 +97,66 @@ cdef inline int _potrf(char uplo, int n, floating *a, int lda) noexcept nogil:
     else:
         dpotrf(&uplo, &n, a, &lda, &info)
     return info
+
+
+cdef void _trsm(char side, char uplo, char transa, int m, int n,
+                       floating *a, int lda, floating *b, int ldb) noexcept nogil:
+    """B := op(A)^-1 B (side L) or B op(A)^-1 (side R), A triangular with a non-unit diagonal."""
+    cdef char diag = c'N'
+    cdef floating one = 1.0
+    cdef int start = 0, count
+    cdef Py_ssize_t lb = ldb
+    cdef floating *chunk
+    # B's columns (side L) or rows (side R) are independent systems: in panels above _ONE_CALL_MAX.
+    cdef int total = n if side == c'L' else m
+    cdef int most = total if total <= _ONE_CALL_MAX else _PANEL
+    while start < total:
+        count = min(most, total - start)
+        if side == c'L':
+            chunk = b + start * lb
+            if floating is float:
+                strsm(&side, &uplo, &transa, &diag, &m, &count, &one, a, &lda, chunk, &ldb)
+            else:
+                dtrsm(&side, &uplo, &transa, &diag, &m, &count, &one, a, &lda, chunk, &ldb)
+        else:
+            chunk = b + start
+            if floating is float:
+                strsm(&side, &uplo, &transa, &diag, &count, &n, &one, a, &lda, chunk, &ldb)
+            else:
+                dtrsm(&side, &uplo, &transa, &diag, &count, &n, &one, a, &lda, chunk, &ldb)
+        start += count
+
+
+cdef int _blocked_potrf(char uplo, int n, floating *a, int lda, int block) noexcept nogil:
+    """Cholesky by panels of ``block`` columns: potrf on each diagonal block, trsm and syrk on the rest.
+
+    The same factor as one potrf call, whose own trailing updates are syrk
+    calls as wide as the matrix (see _PANEL); here they are ours, in panels.
+    """
+    cdef int j = 0, jb, rest, info
+    cdef Py_ssize_t ld = lda
+    cdef floating *diag_block
+    while j < n:
+        jb = min(block, n - j)
+        rest = n - j - jb
+        diag_block = a + j + j * ld
+        info = _potrf(uplo, jb, diag_block, lda)
+        if info != 0:
+            return info + j
+        if rest == 0:
+            break
+        if uplo == c'U':
+            # U12 := U11^-T A12, then A22 -= U12^T U12
+            _trsm(c'L', c'U', c'T', jb, rest, diag_block, lda, diag_block + jb * ld, lda)
+            _syrk(c'U', c'T', rest, jb, <floating>-1.0, diag_block + jb * ld, lda, <floating>1.0,
+                  diag_block + jb + jb * ld, lda)
+        else:
+            # L21 := A21 L11^-T, then A22 -= L21 L21^T
+            _trsm(c'R', c'L', c'T', rest, jb, diag_block, lda, diag_block + jb, lda)
+            _syrk(c'L', c'N', rest, jb, <floating>-1.0, diag_block + jb, lda, <floating>1.0,
+                  diag_block + jb + jb * ld, lda)
+        j += jb
+    return 0
 
 
 cdef inline int _potrs(char uplo, int n, int nrhs, floating *a, int lda,
@@ -560,16 +669,23 @@ def add_diagonal(floating[:, :] A, double shift):
 
 
 def cholesky_solve(floating[:, :] A, bint a_rowmajor, int lda,
-                   floating[::1, :] B):
+                   floating[::1, :] B, int block=-1):
     """B := A^-1 B for symmetric positive definite A (upper triangle read).
 
-    A is overwritten by its Cholesky factor. Returns LAPACK's info: 0 on
-    success, j > 0 when the leading minor of order j is not positive.
+    A is overwritten by its Cholesky factor: one potrf call (``block`` 0),
+    or panels of ``block`` columns; -1 takes panels of _PANEL above
+    _ONE_CALL_MAX columns. Returns LAPACK's info: 0 on success, j > 0 when the leading
+    minor of order j is not positive.
     """
     cdef char uplo = b'L' if a_rowmajor else b'U'
     cdef int n = A.shape[0], nrhs = B.shape[1], info
+    if block < 0:
+        block = _PANEL if n > _ONE_CALL_MAX else 0
     with nogil:
-        info = _potrf(uplo, n, &A[0, 0], lda)
+        if 0 < block < n:
+            info = _blocked_potrf(uplo, n, &A[0, 0], lda, block)
+        else:
+            info = _potrf(uplo, n, &A[0, 0], lda)
         if info == 0 and nrhs > 0:
             info = _potrs(uplo, n, nrhs, &A[0, 0], lda, &B[0, 0], n)
     return info

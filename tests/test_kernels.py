@@ -666,3 +666,56 @@ def test_demo_says_which_side_was_faster():
 
     assert _speed_phrase(2.0, 1.0) == "2.0x the time of fastls"
     assert _speed_phrase(1.0, 2.0) == "2.0x faster than fastls here"
+
+
+# ---------------------------------------------------------------------------
+# Wide triangles in panels (OpenBLAS 0.3.30's threaded dsyrk and potrf crash from n ~ 15,000)
+# ---------------------------------------------------------------------------
+
+@pytest.fixture
+def small_panels():
+    """Panels of 16 columns above 40: the tiled syrk, trsm and Cholesky on matrices a test can afford."""
+    from fastls import _kernels
+
+    previous = _kernels.set_blas_panels(40, 16)
+    yield
+    _kernels.set_blas_panels(*previous)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("x_order", ORDERS)
+@pytest.mark.parametrize("g_order", ORDERS)
+@pytest.mark.parametrize("d", [41, 57, 100])
+def test_wide_grams_in_panels_match_numpy(rng, small_panels, dtype, x_order, g_order, d):
+    X = random(rng, (300, d), dtype, x_order)
+    G0 = random(rng, (d, d), dtype, g_order)
+    G = G0.copy(order=g_order)
+    fastls.gram_update(G, X, check_finite=False)  # the scan-free path: one syrk straight into G
+    X64 = X.astype(np.float64)
+    assert_close(upper(G), upper(G0.astype(np.float64) + X64.T @ X64), dtype, 300)
+    np.testing.assert_array_equal(np.tril(G, -1), np.tril(G0, -1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("g_order", ORDERS)
+@pytest.mark.parametrize("d", [41, 64, 100])
+def test_wide_solves_in_panels_match_numpy(rng, small_panels, dtype, g_order, d):
+    X = rng.standard_normal((3 * d, d))
+    C = rng.standard_normal((d, 50))  # more right-hand sides than one panel
+    G = np.asarray(X.T @ X, dtype=dtype, order=g_order)
+    W = fastls.ridge_solve(G, np.asarray(C, dtype=dtype), 2.0)
+    W_ref = np.linalg.solve(X.T @ X + 2.0 * np.eye(d), C)
+    assert_close(W, W_ref, dtype, rtol=1e-10 if dtype == np.float64 else 2e-4)
+
+
+@pytest.mark.parametrize("uplo_order", ORDERS)
+def test_the_panel_cholesky_reports_where_it_fails(rng, small_panels, uplo_order):
+    from fastls import _kernels
+    from fastls._core import _layout
+
+    d = 90
+    X = rng.standard_normal((2 * d, d))
+    G = X.T @ X + np.eye(d)
+    G[70, 70] = -1.0  # the leading minor of order 71 is not positive
+    A = np.array(G, order=uplo_order)
+    assert _kernels.cholesky_solve(A, *_layout(A), np.asfortranarray(np.ones((d, 2)))) == 71
