@@ -124,6 +124,8 @@ def main():
                     previous = fastls.set_flops_per_thread(args.flops_per_thread)
                     with fastls.limit_cores(2):
                         threads = fastls.threads_for(flops)
+                    if kind == "gram" and d < fastls._core.GRAM_MIN_THREADED_D:
+                        threads = 1  # narrow Grams run one thread whatever their rows
                     fastls.set_flops_per_thread(previous)
                     records.append({"kind": kind, "dtype": dtype, "d": d, "rows": rows, "flops": flops,
                                     "threads": threads, **times})
@@ -143,7 +145,7 @@ def main():
         "# BLAS threads chosen by problem size",
         "",
         f"Command: `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python experiments/threads_report.py "
-        f"--repeat {args.repeat}` on {platform.machine()}, {fastls.available_cores()} cores "
+        f"{' '.join(sys.argv[1:])}` on {platform.machine()}, {fastls.available_cores()} cores "
         f"({elapsed / 60:.0f} min). Rule: {args.flops_per_thread:.3g} flops per thread "
         f"(2 threads from {2 * args.flops_per_thread:.3g} flops of work). Cross and forward products have "
         f"{THREAD_COLUMNS} columns; solves are d x d Cholesky ridge solves of {THREAD_COLUMNS} right-hand sides.",

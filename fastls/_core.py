@@ -192,9 +192,18 @@ def gram_update(G, X, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
 _DIAGONAL_CHECK_BYTES = 8 * 2**20
 
 
+# Narrower Grams run one BLAS thread whatever their rows. OpenBLAS's two-thread
+# syrk splits the d x d output, and every thread streams all N rows: at d = 33
+# and 65 it ran up to 1.6x slower than one thread in both dtypes, on two days
+# with machines 2x apart in speed, while from d = 129 it paid from a few hundred
+# rows (docs/results/threads.md, "Narrow Grams").
+GRAM_MIN_THREADED_D = 96
+
+
 def _gram_into(G, X, mixed, block_rows):
     g_layout, x_layout = _layout(G), _layout(X)
-    with sized_threads(float(X.shape[0]) * X.shape[1] ** 2):
+    d = X.shape[1]
+    with sized_threads(float(X.shape[0]) * d * d if d >= GRAM_MIN_THREADED_D else 0.0):
         if mixed:
             _kernels.gram_mixed(G, *g_layout, X, *x_layout, block_rows, DEFAULT_TILE)
         else:

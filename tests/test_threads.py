@@ -171,3 +171,22 @@ def test_environment_with_a_bad_value_is_named():
     assert out.returncode != 0
     assert "FASTLS_FLOPS_PER_THREAD must be a finite number >= 0" in out.stderr
     assert "'fast'" in out.stderr
+
+
+def test_narrow_grams_run_one_blas_thread_whatever_their_rows(rng, rule, monkeypatch):
+    from fastls import _core, _kernels
+
+    fastls.set_flops_per_thread(1e4)
+    seen = []
+    gram_same = _kernels.gram_same
+
+    def recording(*args):
+        seen.append(_kernels.blas_threads())
+        return gram_same(*args)
+
+    monkeypatch.setattr(_kernels, "gram_same", recording)
+    X = rng.standard_normal((20000, _core.GRAM_MIN_THREADED_D))
+    with fastls.limit_cores(2):
+        fastls.gram_update(np.zeros((64, 64)), X[:, :64], check_finite=False)
+        fastls.gram_update(np.zeros((X.shape[1],) * 2), X, check_finite=False)
+    assert seen == [1, 2]
