@@ -195,5 +195,20 @@ def test_dead_rank_is_named():
             proc.kill()
             proc.communicate()
     assert proc.returncode != 0
-    assert f"fedlayer: MPI rank 2 (pid {victim}" in stderr, stderr[-3000:]
+    # Named alone, or with the ranks the launcher killed while it was still exiting ("ended together").
+    assert f"rank 2 (pid {victim}" in stderr, stderr[-3000:]
     assert stderr.count("without an error of their own") == 1  # the ranks mpiexec stopped afterwards are not named
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the watcher reads /proc/PID/stat (Linux)")
+def test_the_watcher_sees_a_rank_that_has_begun_to_exit():
+    from fedlayer._rankwatch import _exiting
+
+    assert not _exiting(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while not _exiting(child.pid) and time.monotonic() < deadline:  # a zombie until reaped
+        time.sleep(0.01)
+    assert _exiting(child.pid)
+    child.wait()
+    assert _exiting(child.pid)  # gone
