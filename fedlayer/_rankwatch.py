@@ -33,15 +33,20 @@ import sys
 import time
 
 
-def _how_it_ended(pid):
-    """'killed by signal 9 (SIGKILL)' / 'exit status 1' while the process is a zombie, else None."""
+def _stat_fields(pid):
+    """Fields 3... of /proc/PID/stat (fields[0] is the state), or None when the process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    # fields[0] is the state (field 3 of proc(5)); exit_code is field 52, a waitpid status.
-    if fields[0] != "Z" or len(fields) < 50:
+
+
+def _how_it_ended(pid):
+    """'killed by signal 9 (SIGKILL)' / 'exit status 1' while the process is a zombie, else None."""
+    fields = _stat_fields(pid)
+    # exit_code is field 52 of proc(5), a waitpid status.
+    if fields is None or fields[0] != "Z" or len(fields) < 50:
         return None
     status = int(fields[49])
     if status & 0x7F:
@@ -60,12 +65,8 @@ _PF_EXITING = 0x4
 
 def _exiting(pid):
     """Whether process ``pid`` has begun to exit (or is gone) but may not have signalled its pidfd yet."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return True
-    return fields[0] in ("Z", "X") or bool(int(fields[6]) & _PF_EXITING)
+    fields = _stat_fields(pid)
+    return fields is None or fields[0] in ("Z", "X") or bool(int(fields[6]) & _PF_EXITING)
 
 
 def watch(marker_dir, host, ranks):
