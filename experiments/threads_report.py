@@ -123,9 +123,8 @@ def main():
                     times = measure(call, args.flops_per_thread, repeat, args.budget)
                     previous = fastls.set_flops_per_thread(args.flops_per_thread)
                     with fastls.limit_cores(2):
-                        threads = fastls.threads_for(flops)
-                    if kind == "gram" and d < fastls._core.GRAM_MIN_THREADED_D:
-                        threads = 1  # narrow Grams run one thread whatever their rows
+                        threads = fastls.threads_for(fastls._core._gram_thread_work(rows, d) if kind == "gram"
+                                                     else flops)
                     fastls.set_flops_per_thread(previous)
                     records.append({"kind": kind, "dtype": dtype, "d": d, "rows": rows, "flops": flops,
                                     "threads": threads, **times})

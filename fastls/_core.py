@@ -200,10 +200,14 @@ _DIAGONAL_CHECK_BYTES = 8 * 2**20
 GRAM_MIN_THREADED_D = 96
 
 
+def _gram_thread_work(n, d):
+    """The work (flops) the size rule sees for a Gram of n x d rows: 0, one thread, below GRAM_MIN_THREADED_D."""
+    return float(n) * d * d if d >= GRAM_MIN_THREADED_D else 0.0
+
+
 def _gram_into(G, X, mixed, block_rows):
     g_layout, x_layout = _layout(G), _layout(X)
-    d = X.shape[1]
-    with sized_threads(float(X.shape[0]) * d * d if d >= GRAM_MIN_THREADED_D else 0.0):
+    with sized_threads(_gram_thread_work(*X.shape)):
         if mixed:
             _kernels.gram_mixed(G, *g_layout, X, *x_layout, block_rows, DEFAULT_TILE)
         else:

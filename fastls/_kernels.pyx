@@ -64,28 +64,23 @@ cdef void _syrk(char uplo, char trans, int n, int k, floating alpha,
     """C := alpha op(A) op(A)^T + beta C (one triangle); above _ONE_CALL_MAX columns, a syrk and a gemm per panel."""
     cdef int c0 = 0, width
     cdef Py_ssize_t lc = ldc, la = lda
-    cdef floating *panel_rows  # op(A)'s rows c0.. : A's rows (trans N) or columns (trans T)
+    # gemm's op(A) and op(A)^T for A as syrk reads it; op(A)'s row i starts at a + i (trans N) or a + i * lda.
+    cdef char ta = c'N' if trans == c'N' else c'T'
+    cdef char tb = c'T' if trans == c'N' else c'N'
+    cdef Py_ssize_t row_step = 1 if trans == c'N' else la
     if n <= _ONE_CALL_MAX:
         _syrk_call(uplo, trans, n, k, alpha, a, lda, beta, c, ldc)
         return
     while c0 < n:
         width = min(_PANEL, n - c0)
-        panel_rows = a + c0 if trans == c'N' else a + c0 * la
-        _syrk_call(uplo, trans, width, k, alpha, panel_rows, lda, beta, c + c0 + c0 * lc, ldc)
+        _syrk_call(uplo, trans, width, k, alpha, a + c0 * row_step, lda, beta, c + c0 + c0 * lc, ldc)
         if uplo == c'U' and c0 > 0:
             # C[0:c0, c0:c0+width] (above the diagonal block)
-            if trans == c'N':
-                _gemm(c'N', c'T', c0, width, k, alpha, a, lda, panel_rows, lda, beta, c + c0 * lc, ldc)
-            else:
-                _gemm(c'T', c'N', c0, width, k, alpha, a, lda, panel_rows, lda, beta, c + c0 * lc, ldc)
+            _gemm(ta, tb, c0, width, k, alpha, a, lda, a + c0 * row_step, lda, beta, c + c0 * lc, ldc)
         elif uplo == c'L' and c0 + width < n:
             # C[c0+width:n, c0:c0+width] (below the diagonal block)
-            if trans == c'N':
-                _gemm(c'N', c'T', n - c0 - width, width, k, alpha, a + c0 + width, lda, panel_rows, lda, beta,
-                      c + c0 + width + c0 * lc, ldc)
-            else:
-                _gemm(c'T', c'N', n - c0 - width, width, k, alpha, a + (c0 + width) * la, lda, panel_rows, lda,
-                      beta, c + c0 + width + c0 * lc, ldc)
+            _gemm(ta, tb, n - c0 - width, width, k, alpha, a + (c0 + width) * row_step, lda, a + c0 * row_step,
+                  lda, beta, c + c0 + width + c0 * lc, ldc)
         c0 += width
 
 
@@ -100,35 +95,27 @@ cdef inline int _potrf(char uplo, int n, floating *a, int lda) noexcept nogil:
 
 
 cdef void _trsm(char side, char uplo, char transa, int m, int n,
-                       floating *a, int lda, floating *b, int ldb) noexcept nogil:
+                floating *a, int lda, floating *b, int ldb) noexcept nogil:
     """B := op(A)^-1 B (side L) or B op(A)^-1 (side R), A triangular with a non-unit diagonal."""
     cdef char diag = c'N'
     cdef floating one = 1.0
-    cdef int start = 0, count
-    cdef Py_ssize_t lb = ldb
-    cdef floating *chunk
+    cdef int start = 0, count, rows, cols
     # B's columns (side L) or rows (side R) are independent systems: in panels above _ONE_CALL_MAX.
     cdef int total = n if side == c'L' else m
     cdef int most = total if total <= _ONE_CALL_MAX else _PANEL
+    cdef Py_ssize_t step = ldb if side == c'L' else 1
     while start < total:
         count = min(most, total - start)
-        if side == c'L':
-            chunk = b + start * lb
-            if floating is float:
-                strsm(&side, &uplo, &transa, &diag, &m, &count, &one, a, &lda, chunk, &ldb)
-            else:
-                dtrsm(&side, &uplo, &transa, &diag, &m, &count, &one, a, &lda, chunk, &ldb)
+        rows, cols = (m, count) if side == c'L' else (count, n)
+        if floating is float:
+            strsm(&side, &uplo, &transa, &diag, &rows, &cols, &one, a, &lda, b + start * step, &ldb)
         else:
-            chunk = b + start
-            if floating is float:
-                strsm(&side, &uplo, &transa, &diag, &count, &n, &one, a, &lda, chunk, &ldb)
-            else:
-                dtrsm(&side, &uplo, &transa, &diag, &count, &n, &one, a, &lda, chunk, &ldb)
+            dtrsm(&side, &uplo, &transa, &diag, &rows, &cols, &one, a, &lda, b + start * step, &ldb)
         start += count
 
 
-cdef int _blocked_potrf(char uplo, int n, floating *a, int lda, int block) noexcept nogil:
-    """Cholesky by panels of ``block`` columns: potrf on each diagonal block, trsm and syrk on the rest.
+cdef int _blocked_potrf(char uplo, int n, floating *a, int lda) noexcept nogil:
+    """Cholesky by panels of _PANEL columns: potrf on each diagonal block, trsm and syrk on the rest.
 
     The same factor as one potrf call, whose own trailing updates are syrk
     calls as wide as the matrix (see _PANEL); here they are ours, in panels.
@@ -137,7 +124,7 @@ cdef int _blocked_potrf(char uplo, int n, floating *a, int lda, int block) noexc
     cdef Py_ssize_t ld = lda
     cdef floating *diag_block
     while j < n:
-        jb = min(block, n - j)
+        jb = min(_PANEL, n - j)
         rest = n - j - jb
         diag_block = a + j + j * ld
         info = _potrf(uplo, jb, diag_block, lda)
@@ -669,21 +656,18 @@ def add_diagonal(floating[:, :] A, double shift):
 
 
 def cholesky_solve(floating[:, :] A, bint a_rowmajor, int lda,
-                   floating[::1, :] B, int block=-1):
+                   floating[::1, :] B):
     """B := A^-1 B for symmetric positive definite A (upper triangle read).
 
-    A is overwritten by its Cholesky factor: one potrf call (``block`` 0),
-    or panels of ``block`` columns; -1 takes panels of _PANEL above
-    _ONE_CALL_MAX columns. Returns LAPACK's info: 0 on success, j > 0 when the leading
-    minor of order j is not positive.
+    A is overwritten by its Cholesky factor: one potrf call, or panels of
+    _PANEL columns above _ONE_CALL_MAX. Returns LAPACK's info: 0 on success,
+    j > 0 when the leading minor of order j is not positive.
     """
     cdef char uplo = b'L' if a_rowmajor else b'U'
     cdef int n = A.shape[0], nrhs = B.shape[1], info
-    if block < 0:
-        block = _PANEL if n > _ONE_CALL_MAX else 0
     with nogil:
-        if 0 < block < n:
-            info = _blocked_potrf(uplo, n, &A[0, 0], lda, block)
+        if n > _ONE_CALL_MAX:
+            info = _blocked_potrf(uplo, n, &A[0, 0], lda)
         else:
             info = _potrf(uplo, n, &A[0, 0], lda)
         if info == 0 and nrhs > 0:
