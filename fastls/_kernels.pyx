@@ -218,12 +218,15 @@ cdef inline void _gemm_nn(floating *lhs, bint l_rowmajor, int ldl,
 cdef inline void _add_tile(double *out, bint out_rowmajor, Py_ssize_t ldo,
                            Py_ssize_t i0, Py_ssize_t j0, float *tile,
                            Py_ssize_t ti, Py_ssize_t tj, bint upper_only) noexcept nogil:
-    """out[i0:i0+ti, j0:j0+tj] += tile (Fortran ti x tj), widening to float64."""
+    """out[i0:i0+ti, j0:j0+tj] += tile (ti x tj in out's layout), widening to float64."""
     cdef Py_ssize_t a, b, a_end
+    # The tile shares out's layout so both are read along their rows (or
+    # columns): a transposed add strides through one of them and cost a
+    # quarter of the mixed Gram's time at d = 4609.
     if out_rowmajor:
         for a in range(ti):
             for b in range(a if upper_only else 0, tj):
-                out[(i0 + a) * ldo + j0 + b] += tile[a + b * ti]
+                out[(i0 + a) * ldo + j0 + b] += tile[a * tj + b]
     else:
         for b in range(tj):
             a_end = b + 1 if upper_only else ti
@@ -259,11 +262,12 @@ cdef void _mixed_tn(float *lhs, bint l_rowmajor, int ldl,
                 r_blk = _at(rhs, r_rowmajor, ldr, r0, j0)
                 if symmetric and i0 == j0:
                     _syrk_tn(l_blk, l_rowmajor, ldl, <int>kb, <int>ti,
-                             <float>0.0, scratch, False, <int>ti)
+                             <float>0.0, scratch, out_rowmajor, <int>ti)
                 else:
                     _gemm_tn(l_blk, l_rowmajor, ldl, r_blk, r_rowmajor, ldr,
                              <int>kb, <int>ti, <int>tj, <float>0.0,
-                             scratch, False, <int>ti)
+                             scratch, out_rowmajor,
+                             <int>(tj if out_rowmajor else ti))
                 _add_tile(out, out_rowmajor, ldo, i0, j0, scratch, ti, tj,
                           symmetric and i0 == j0)
                 j0 += tile

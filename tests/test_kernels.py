@@ -108,6 +108,22 @@ def test_cross_update_float32_into_float64(rng, c_order):
     assert_close(C, X.astype(np.float64).T @ Z.astype(np.float64), np.float32, 900)
 
 
+@pytest.mark.parametrize("out_order", ORDERS)
+def test_mixed_products_over_uneven_tiles(rng, monkeypatch, out_order):
+    """float32 tiles of 7 columns over 20 x 20 and 20 x 9 outputs: full, partial and one-column tiles."""
+    monkeypatch.setattr("fastls._core.DEFAULT_TILE", 7)
+    X = random(rng, (150, 20), np.float32)
+    Z = random(rng, (150, 9), np.float32, "F")
+    G = np.zeros((20, 20), order=out_order)
+    C = np.zeros((20, 9), order=out_order)
+    fastls.gram_update(G, X, block_rows=40)
+    fastls.cross_update(C, X, Z, block_rows=40)
+    X64, Z64 = X.astype(np.float64), Z.astype(np.float64)
+    assert_close(upper(G), upper(X64.T @ X64), np.float32, 40)
+    np.testing.assert_array_equal(np.tril(G, -1), 0)
+    assert_close(C, X64.T @ Z64, np.float32, 40)
+
+
 def test_symmetrize(rng):
     A = rng.standard_normal((6, 6))
     full = fastls.symmetrize(A)
