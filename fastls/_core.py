@@ -964,15 +964,18 @@ def conv_stats_method(image_shape, kernel_size, *, stride=1, padding=0, per_imag
 
 
 # Cost of one element of G read and written by a pass over it, in multiply-adds of
-# a float32 gemm: memory-bound (measured: 0.68 G float64 adds/s against 75 G
-# multiply-adds/s at 2 threads on this machine). The overlap's finish writes
-# each block of G once and reads each group product (float32, a quarter of the
-# bytes) once per block it feeds: 64 images of 4x4x2048 cost 0.5 s more than
-# their products (100 x (45 + 146 / 4) x 2048^2 multiply-adds at 75 G/s: 0.46 s).
-FOLD_COST_IN_MACS = 100
+# a float32 gemm: memory-bound, so it is the ratio of the machine's gemm rate to
+# its memory speed. Fitted on 2026-11-27 (AVX-512 VM, float32 gemm 310 GFLOP/s;
+# bench/README.md, "Run 5") from the fixed and per-image times of both methods on
+# 16-450 images of the DCNN's three 3x3 maps: the overlap's finish writes each
+# block of G once and reads each group product (float32, a quarter of the bytes)
+# once per block it feeds (16 images of 4x4x2048: 0.70 s over their products).
+# The earlier value, 100, came from a Haswell VM whose gemm ran at half the speed
+# with the same memory.
+FOLD_COST_IN_MACS = 340
 # A pass of im2col's float32-into-float64 path over G also writes and reads the
-# float32 tile of the product: 1.5 times the bytes of a plain pass.
-IM2COL_PASS_COST_IN_MACS = 150
+# float32 tile of the product: about 1.5 times the bytes of a plain pass.
+IM2COL_PASS_COST_IN_MACS = 520
 
 
 def _pick_conv_method(method, image_shape, kernel_size, stride, padding, per_image, images=None):
