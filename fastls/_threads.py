@@ -31,12 +31,13 @@ __all__ = ["limit_cores", "available_cores", "blas_info", "threads_for", "sized_
            "get_flops_per_thread", "set_flops_per_thread", "FLOPS_PER_THREAD"]
 
 # Work (flops, 2 x multiply-adds; N d^2 for a Gram) that pays for one more BLAS
-# thread. On the 2-core development machine, with one BLAS pool at work, any
-# value from 3e4 to 5e5 fitted the grid of experiments/threads_report.py
-# equally well (docs/results/threads.md); 2e5 is the middle of that range in
-# log scale and keeps kernels under ~20 us single-threaded.
+# thread, measured on the 2-core development machine with one BLAS pool at work
+# by experiments/threads_report.py (docs/results/threads.md). The first grid fitted
+# anything from 3e4 to 5e5 and 2e5 was taken; the two later grids, on two VMs of
+# different speed, fitted 1e4: Cholesky ridge solves of d = 16-33 ran 1.2-1.45x
+# faster on 2 threads than on the 1 that 2e5 gave them, and nothing measured lost.
 # FASTLS_FLOPS_PER_THREAD overrides it (0: always the caller's limit).
-FLOPS_PER_THREAD = 2e5
+FLOPS_PER_THREAD = 1e4
 
 _controller = None
 _bound = False
