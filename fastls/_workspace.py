@@ -10,10 +10,13 @@ nobody holds it turns that into a memset (or nothing).
 
 from __future__ import annotations
 
+import concurrent.futures
 import sys
 import threading
 
 import numpy as np
+
+from ._threads import threads_for
 
 __all__ = ["recycled_array"]
 
@@ -21,6 +24,10 @@ _held = {}
 _lock = threading.Lock()
 # References to an array popped from _held: the local name and getrefcount's argument.
 _UNSHARED_REFCOUNT = 2
+# Arrays at least this large are zeroed by as many threads as the caller's core
+# limit allows: the memset is memory-bound, and one thread leaves bandwidth
+# unused (a 2.7 GB G: 0.35 s on one thread, 0.19 s on two, on the 2-core VM).
+PARALLEL_ZERO_BYTES = 64 * 2**20
 
 
 def recycled_array(key, shape, dtype=np.float64, *, zero=True):
@@ -52,7 +59,7 @@ def recycled_array(key, shape, dtype=np.float64, *, zero=True):
                 and sys.getrefcount(previous) == _UNSHARED_REFCOUNT):
             out = previous
             if zero:
-                out.fill(0)
+                _zero(out)
         else:
             # Forget the old array before allocating: if it was free, its memory goes first.
             del previous
@@ -68,3 +75,17 @@ def release(key=None):
             _held.clear()
         else:
             _held.pop(key, None)
+
+
+def _zero(out):
+    """out[...] = 0, split over the threads the caller's core limit allows when out is large."""
+    # Its bytes stand for the work: at this size the rule gives the caller's whole limit.
+    threads = threads_for(out.nbytes) if out.nbytes >= PARALLEL_ZERO_BYTES else 1
+    if threads == 1:
+        out.fill(0)
+        return
+    flat = out.reshape(-1)  # a view: recycled arrays are C-contiguous
+    bounds = np.linspace(0, flat.size, threads + 1).astype(np.intp)
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        # copyto releases the GIL for the copy.
+        list(pool.map(lambda span: np.copyto(flat[span[0]:span[1]], 0), zip(bounds[:-1], bounds[1:])))

@@ -71,3 +71,18 @@ def test_without_zeroing_the_contents_are_kept(rng):
     a[...] = 7.0
     del a
     np.testing.assert_array_equal(fastls.recycled_array("test", (6, 6), zero=False), 7.0)
+
+
+@pytest.mark.parametrize("cores", [1, 2])
+def test_a_large_reused_array_is_zeroed_whole_within_the_core_limit(rng, monkeypatch, cores):
+    """Above PARALLEL_ZERO_BYTES the zeroing is split over threads: every element, odd sizes too."""
+    monkeypatch.setattr(_workspace, "PARALLEL_ZERO_BYTES", 1024)
+    a = fastls.recycled_array("test", (97, 53))
+    a[...] = rng.standard_normal(a.shape)
+    a[-1, -1] = np.nan
+    address = a.ctypes.data
+    del a
+    with fastls.limit_cores(cores):
+        b = fastls.recycled_array("test", (97, 53))
+    assert b.ctypes.data == address
+    assert not b.any() and not np.isnan(b).any()
