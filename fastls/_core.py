@@ -198,11 +198,18 @@ _DIAGONAL_CHECK_BYTES = 8 * 2**20
 # with machines 2x apart in speed, while from d = 129 it paid from a few hundred
 # rows (docs/results/threads.md, "Narrow Grams").
 GRAM_MIN_THREADED_D = 96
+# ... and Grams of less work (N d^2 flops) run one thread too. On this VM three grids
+# measured two threads 0.82-0.92x of one at d = 129 and 64 rows (1.1e6 flops) in both
+# dtypes, while from 4.2e6 (d = 129 and 256 rows, d = 257 and 64) two were at least as
+# fast in float64 (1.02-1.28x) and within 0.92-1.11x in float32 (docs/results/threads.md,
+# "A work floor for Grams").
+GRAM_MIN_THREADED_FLOPS = 2e6
 
 
 def _gram_thread_work(n, d):
-    """The work (flops) the size rule sees for a Gram of n x d rows: 0, one thread, below GRAM_MIN_THREADED_D."""
-    return float(n) * d * d if d >= GRAM_MIN_THREADED_D else 0.0
+    """The work (flops) the size rule sees for a Gram of n x d rows: 0 (one thread) below either floor."""
+    work = float(n) * d * d
+    return work if d >= GRAM_MIN_THREADED_D and work >= GRAM_MIN_THREADED_FLOPS else 0.0
 
 
 def _gram_into(G, X, mixed, block_rows):

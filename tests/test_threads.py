@@ -190,3 +190,26 @@ def test_narrow_grams_run_one_blas_thread_whatever_their_rows(rng, rule, monkeyp
         fastls.gram_update(np.zeros((64, 64)), X[:, :64], check_finite=False)
         fastls.gram_update(np.zeros((X.shape[1],) * 2), X, check_finite=False)
     assert seen == [1, 2]
+
+
+def test_grams_below_the_work_floor_run_one_blas_thread(rng, rule, monkeypatch):
+    from fastls import _core, _kernels
+
+    fastls.set_flops_per_thread(1e4)
+    seen = []
+    gram_same = _kernels.gram_same
+
+    def recording(*args):
+        seen.append(_kernels.blas_threads())
+        return gram_same(*args)
+
+    monkeypatch.setattr(_kernels, "gram_same", recording)
+    d = 129
+    # Rows that put the work just below and just above GRAM_MIN_THREADED_FLOPS.
+    below = int(_core.GRAM_MIN_THREADED_FLOPS // (d * d))
+    X = rng.standard_normal((below + 2, d))
+    with fastls.limit_cores(2):
+        fastls.gram_update(np.zeros((d, d)), X[:below], check_finite=False)
+        fastls.gram_update(np.zeros((d, d)), X, check_finite=False)
+    assert below * d * d < _core.GRAM_MIN_THREADED_FLOPS <= X.shape[0] * d * d
+    assert seen == [1, 2]
