@@ -31,6 +31,7 @@ from cases import (
     proximal_problem,
     random_matrix,
     spd_system,
+    zero_stats,
 )
 from numeric_checks import assert_close
 
@@ -48,8 +49,16 @@ def pytest_generate_tests(metafunc):
             metafunc.parametrize(name, table[size], ids=lambda case: f"{size}-{case}")
 
 
-def _run(benchmark, fn, *args):
-    return benchmark.pedantic(fn, args=args, rounds=3, iterations=1, warmup_rounds=0)
+def _run(benchmark, fn, *args, setup=None):
+    """Time fn(*args) over 3 rounds; ``setup`` runs untimed before each round."""
+    if setup is None:
+        return benchmark.pedantic(fn, args=args, rounds=3, iterations=1, warmup_rounds=0)
+
+    def untimed():
+        setup()
+        return args, {}
+
+    return benchmark.pedantic(fn, setup=untimed, rounds=3, iterations=1, warmup_rounds=0)
 
 
 @pytest.mark.parametrize("dtype,impl", [("float32", "fastls"), ("float32", "scipy-syrk"),
@@ -71,10 +80,12 @@ def test_conv_statistics(benchmark, layer, impl):
     images, targets = conv_inputs(side, channels, batch)
     G, C = conv_zeros(channels)
     benchmark.group = f"conv3x3 {side}x{side}x{channels} B={batch}"
+    # The kernel alone: G and C are zeroed before each round, untimed (the caller's memset).
     if impl == "im2col+gram_update":
-        G, C = _run(benchmark, conv_im2col_gram, images, targets, G, C)
+        G, C = _run(benchmark, conv_im2col_gram, images, targets, G, C, setup=lambda: zero_stats(G, C))
     else:
-        G, C = _run(benchmark, conv_stats, images, targets, G, C, "overlap" if impl == "overlap" else "im2col")
+        method = "overlap" if impl == "overlap" else "im2col"
+        G, C = _run(benchmark, conv_stats, images, targets, G, C, method, setup=lambda: zero_stats(G, C))
     # Check the first two images against an explicit im2col in float64.
     P = fastls.im2col(images[:2].astype(np.float64), 3, append_ones=True)
     G2, C2 = conv_zeros(channels)

@@ -73,19 +73,22 @@ def conv_zeros(channels):
     return np.zeros((d, d)), np.zeros((d, N_TARGETS))
 
 
-def conv_stats(images, targets, G, C, method):
-    """Float64 statistics of a 3x3 valid convolution with a bias column by ``method`` of fastls.ConvStats."""
+def zero_stats(G, C):
+    """Start the statistics over: the caller's memset, which timings of the kernels leave out."""
     G[...] = 0
     C[...] = 0
+    return G, C
+
+
+def conv_stats(images, targets, G, C, method):
+    """G, C += float64 statistics of a 3x3 valid convolution with a bias column by ``method`` of fastls.ConvStats."""
     fastls.conv_gram_update(G, C, images, targets, 3, append_ones=True, method=method,
                             scratch_bytes=4 * fastls.DEFAULT_SCRATCH_BYTES)
     return G, C
 
 
 def conv_im2col_gram(images, targets, G, C):
-    """The reference of the issue: the whole patch matrix, then gram_update and cross_update."""
-    G[...] = 0
-    C[...] = 0
+    """The reference of the issue: the whole patch matrix, then gram_update and cross_update (G, C +=)."""
     P = fastls.im2col(images, 3, append_ones=True)
     per_image = P.shape[0] // images.shape[0]
     fastls.gram_update(G, P)
