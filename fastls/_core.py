@@ -51,7 +51,8 @@ __all__ = [
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 DEFAULT_BLOCK_ROWS = 4096
-DEFAULT_TILE = 2048
+# Widest float32 tile of a float32-into-float64 product (26 MB of scratch); dimensions split evenly.
+DEFAULT_TILE = 2560
 DEFAULT_SCRATCH_BYTES = 64 * 2**20
 
 
@@ -753,7 +754,7 @@ class ConvStats:
         sums = recycled_array("fastls.ConvStats.patch_sums", (chunk, d), dtype, zero=False)
         _kernels.overlap_accumulate(acc, pending, *_layout(self.G), images, targets, groups, cells, blocks,
                                     buf_a, buf_b, sums, self.G, self.C, *_layout(self.C), kh, kw, ph, pw,
-                                    out_h, out_w, self.append_ones, chunk, mixed, self.block_rows)
+                                    out_h, out_w, self.append_ones, chunk, mixed, self.block_rows, DEFAULT_TILE)
 
     def _update_im2col(self, images, targets, mixed):
         kh, kw, sh, sw, ph, pw, out_h, out_w = self.geometry

@@ -234,6 +234,12 @@ cdef inline void _add_tile(double *out, bint out_rowmajor, Py_ssize_t ldo,
                 out[i0 + a + (j0 + b) * ldo] += tile[a + b * ti]
 
 
+cdef inline Py_ssize_t _even_tile(Py_ssize_t n, Py_ssize_t tile) noexcept nogil:
+    """Width of ceil(n / tile) equal tiles over n (at most ``tile``)."""
+    cdef Py_ssize_t parts = (n + tile - 1) // tile if n > 0 else 1
+    return (n + parts - 1) // parts
+
+
 cdef void _mixed_tn(float *lhs, bint l_rowmajor, int ldl,
                     float *rhs, bint r_rowmajor, int ldr,
                     Py_ssize_t k, Py_ssize_t p, Py_ssize_t q, bint symmetric,
@@ -245,8 +251,12 @@ cdef void _mixed_tn(float *lhs, bint l_rowmajor, int ldl,
     so the float32 rounding error grows with block_rows, not with k; each
     tile is then widened and added to out. With ``symmetric`` (L is R) only
     the upper triangle of out is computed, diagonal tiles through syrk.
+    Tiles are at most ``tile`` wide and split each dimension evenly: a thin
+    last tile ran its products at a lower rate.
     """
     cdef Py_ssize_t r0 = 0, kb, i0, j0, ti, tj
+    cdef Py_ssize_t tile_i = _even_tile(p, tile)
+    cdef Py_ssize_t tile_j = tile_i if symmetric else _even_tile(q, tile)
     cdef float *l_blk
     cdef float *r_blk
     # while loops: Cython compiles range() with a runtime step to Python.
@@ -254,11 +264,11 @@ cdef void _mixed_tn(float *lhs, bint l_rowmajor, int ldl,
         kb = min(block_rows, k - r0)
         i0 = 0
         while i0 < p:
-            ti = min(tile, p - i0)
+            ti = min(tile_i, p - i0)
             l_blk = _at(lhs, l_rowmajor, ldl, r0, i0)
             j0 = i0 if symmetric else 0
             while j0 < q:
-                tj = min(tile, q - j0)
+                tj = min(tile_j, q - j0)
                 r_blk = _at(rhs, r_rowmajor, ldr, r0, j0)
                 if symmetric and i0 == j0:
                     _syrk_tn(l_blk, l_rowmajor, ldl, <int>kb, <int>ti,
@@ -270,8 +280,8 @@ cdef void _mixed_tn(float *lhs, bint l_rowmajor, int ldl,
                              <int>(tj if out_rowmajor else ti))
                 _add_tile(out, out_rowmajor, ldo, i0, j0, scratch, ti, tj,
                           symmetric and i0 == j0)
-                j0 += tile
-            i0 += tile
+                j0 += tile_j
+            i0 += tile_i
         r0 += block_rows
 
 
@@ -934,7 +944,7 @@ def overlap_accumulate(floating[:, :, ::1] acc, Py_ssize_t[::1] pending,
                        Py_ssize_t kh, Py_ssize_t kw, Py_ssize_t ph,
                        Py_ssize_t pw, Py_ssize_t out_h, Py_ssize_t out_w,
                        bint append_ones, Py_ssize_t chunk,
-                       bint mixed, Py_ssize_t block_rows):
+                       bint mixed, Py_ssize_t block_rows, Py_ssize_t tile):
     """acc[g] += displacement product of group g; G's bias column and C directly.
 
     ``groups`` rows are (dy, dx, first cell, end cell, first block, end
@@ -965,7 +975,7 @@ def overlap_accumulate(floating[:, :, ::1] acc, Py_ssize_t[::1] pending,
     _pointers(G_out, mixed, &G, &G64)
     _pointers(C_out, mixed, &C, &C64)
     if mixed:
-        tile_buf = <float *>malloc(max(1, min(d, 2048) * min(m, 2048)) * sizeof(float))
+        tile_buf = <float *>malloc(max(1, min(d, tile) * min(m, tile)) * sizeof(float))
         if tile_buf == NULL:
             raise MemoryError("cannot allocate the float32 tile")
     if append_ones:
@@ -1023,7 +1033,7 @@ def overlap_accumulate(floating[:, :, ::1] acc, Py_ssize_t[::1] pending,
                         else:
                             G[(d - 1) * ldg + j if not g_rowmajor else j * ldg + d - 1] += <floating>bias_sums[j]
                 _flush_sums(C, c_rowmajor, ldc, C64, targets, sums, img0, n_img,
-                            block_rows, 2048, tile_buf)
+                            block_rows, tile, tile_buf)
                 img0 += n_img
     finally:
         free(tile_buf)

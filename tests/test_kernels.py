@@ -110,7 +110,7 @@ def test_cross_update_float32_into_float64(rng, c_order):
 
 @pytest.mark.parametrize("out_order", ORDERS)
 def test_mixed_products_over_uneven_tiles(rng, monkeypatch, out_order):
-    """float32 tiles of 7 columns over 20 x 20 and 20 x 9 outputs: full, partial and one-column tiles."""
+    """float32 tiles of at most 7 columns over 20 x 20 and 20 x 9 outputs: 7 + 7 + 6 and 5 + 4 (even splits)."""
     monkeypatch.setattr("fastls._core.DEFAULT_TILE", 7)
     X = random(rng, (150, 20), np.float32)
     Z = random(rng, (150, 9), np.float32, "F")
