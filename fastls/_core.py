@@ -1085,9 +1085,11 @@ def _basis_coordinates(name, A, basis, dtype):
                          f"got {basis.shape}")
     Q = np.asarray(basis, dtype=dtype)
     # B = A Q^+ with Q^+ = Q^T (Q Q^T)^-1: k x k normal equations, well posed for a full-row-rank Q.
-    B = scipy.linalg.solve(Q @ Q.T, Q @ np.asarray(A, dtype=dtype).T, assume_a="pos").T
+    # Products on SciPy's BLAS (matmul), as everywhere next to a solve (see _dual_rest).
+    A = np.asarray(A, dtype=dtype)
+    B = scipy.linalg.solve(Q @ Q.T, matmul(Q, A.T, check_finite=False), assume_a="pos").T
     scale = np.linalg.norm(A)
-    residual = np.linalg.norm(A - B @ Q)
+    residual = np.linalg.norm(A - matmul(B, Q, check_finite=False))
     if scale and residual > RHS_BASIS_TOLERANCE * scale:
         raise ValueError(f"{name} is not in the row space of rhs_basis (relative residual {residual / scale:.2e} > "
                          f"{RHS_BASIS_TOLERANCE:g}); solve without rhs_basis")
@@ -1096,7 +1098,8 @@ def _basis_coordinates(name, A, basis, dtype):
 
 def _expand(W_coordinates, Q):
     """(d, k) solution times the (k, m) basis, Fortran-ordered like the plain solves."""
-    return (Q.T @ W_coordinates.T).T
+    out = np.empty((W_coordinates.shape[0], Q.shape[1]), dtype=W_coordinates.dtype, order="F")
+    return matmul(W_coordinates, Q.astype(W_coordinates.dtype, copy=False), out=out, check_finite=False)
 
 
 def _check_system(G, C):
@@ -1273,11 +1276,13 @@ def _dual_rest(X, Z, M, Q, K, eps, d, dtype):
     # DEFAULT_SCRATCH_BYTES at a time.
     step = max(1, DEFAULT_SCRATCH_BYTES // (max(d, 1) * dtype.itemsize))
     slices = [slice(start, start + step) for start in range(0, n, step)]
+    # The products run on SciPy's BLAS (matmul), like the Cholesky between them: NumPy's
+    # would wake its own thread pool to spin beside SciPy's.
     R = np.array(Z, dtype=dtype)
     for rows in slices:
-        R[rows] -= X[rows].astype(dtype, copy=False) @ M
+        R[rows] -= matmul(X[rows].astype(dtype, copy=False), M, check_finite=False)
     S = _spd_solve(K, np.asfortranarray(R), eps, "eps", True, "raise", "proximal_solve_dual")
     W = M.copy()
     for rows in slices:
-        W += X[rows].astype(dtype, copy=False).T @ S[rows]
-    return W if Q is None else W @ Q
+        W += matmul(X[rows].astype(dtype, copy=False).T, S[rows], check_finite=False)
+    return W if Q is None else matmul(W, Q.astype(dtype, copy=False), check_finite=False)
