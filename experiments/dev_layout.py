@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["REPOSITORY", "SHARED_DATA", "use_shared_data"]
+__all__ = ["REPOSITORY", "SHARED_DATA", "use_shared_data", "emit_report"]
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPOSITORY.parent / "shared" / "data"
@@ -25,3 +25,11 @@ def use_shared_data():
     if not os.environ.get("FEDLAYER_DATA_DIR"):
         os.environ["FEDLAYER_DATA_DIR"] = str(SHARED_DATA)
     return Path(os.environ["FEDLAYER_DATA_DIR"])
+
+
+def emit_report(lines, out=None):
+    """Print a markdown report made of ``lines`` and, when ``out`` is given, write it there too."""
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if out:
+        Path(out).write_text(report)

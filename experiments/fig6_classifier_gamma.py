@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 import fastls
-from dev_layout import use_shared_data
+from dev_layout import emit_report, use_shared_data
 from fedlayer.models import Model
 from fedlayer.run import RunConfig, load_dataset
 
@@ -103,10 +102,7 @@ def main(argv=None):
     for gamma, accuracy, score in rows:
         mark = " (the run's)" if gamma == RUN_GAMMA else (" (GCV's choice)" if gamma == gcv_gamma else "")
         lines.append(f"| {gamma:.4g}{mark} | {accuracy:.2f} | {score:.6g} |")
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report)
+    emit_report(lines, args.out)
     return 0
 
 

@@ -46,6 +46,7 @@ from cases import (  # noqa: E402
     spd_system,
     zero_stats,
 )
+from dev_layout import emit_report  # noqa: E402
 from fig6_cifar import gemm_rate  # noqa: E402
 
 
@@ -187,10 +188,7 @@ def main():
     lines += ["", "### Proximal solve: primal (G, then Cholesky of d x d) against dual (Cholesky of n x n)", ""]
     lines += proximal_table(args.repeat)
     lines += ["", "### Ridge solve", ""] + solve_table(args.repeat)
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report)
+    emit_report(lines, args.out)
     return 0
 
 
