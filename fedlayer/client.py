@@ -8,6 +8,7 @@ so the same code runs in both.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -49,6 +50,27 @@ GCV_ROWS_PER_FEATURE = 32
 
 class ClientDropout(RuntimeError):
     """A client left a round: a simulated failure (``drop_probability``) or a missed round deadline."""
+
+
+def _reserve_blocks(path):
+    """Allocate every block of the file now, so that a full disk is an error here.
+
+    A memory-mapped file is created sparse: without its blocks, a write
+    through the mapping on a full disk kills the process with SIGBUS (a
+    full-width pFedACnnL run died so, at 24 GB of cached activations).
+    Filesystems that cannot reserve blocks keep the sparse file.
+    """
+    with open(path, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        try:
+            os.posix_fallocate(f.fileno(), 0, size)
+        except OSError as err:
+            if err.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                return
+            raise OSError(err.errno, f"cannot reserve {size / 2**20:.1f} MiB for cached activations in "
+                                     f"{path.parent} ({os.strerror(err.errno)}); free space there, or run with --output "
+                                     f"on a disk with room (without it the cache is under $TMPDIR)",
+                          str(path)) from None
 
 
 def label_encoders(seed, n_classes, widths):
@@ -363,7 +385,14 @@ class Client:
         if nbytes <= self.cache_ram_bytes:
             return np.empty(shape, dtype=self.model.dtype)
         path = self._cache_path(f"{split}_layer{layer_index}")
-        return np.lib.format.open_memmap(path, mode="w+", dtype=self.model.dtype, shape=shape)
+        out = np.lib.format.open_memmap(path, mode="w+", dtype=self.model.dtype, shape=shape)
+        try:
+            _reserve_blocks(path)
+        except OSError:
+            del out
+            path.unlink(missing_ok=True)
+            raise
+        return out
 
     def _cache_path(self, name):
         """A file of this client under the cache folder, removed with the client."""

@@ -649,6 +649,25 @@ def test_client_cache_equals_recompute(rng, tmp_path, cache_ram_bytes):
         assert client.evaluate()["correct"] == reference.accuracy(client.data.x_test, client.data.y_test)[0]
 
 
+def test_a_full_disk_stops_the_cache_with_a_clear_error_and_no_file(rng, tmp_path, monkeypatch):
+    """The cache's blocks are reserved up front: no room is an OSError naming the folder, not a SIGBUS later."""
+    import errno
+    import os
+
+    client = _small_cnn_client(rng, 0, tmp_path)
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=r"cannot reserve [\d.]+ MiB for cached activations in .*No space left"):
+        client.local_stats(len(client.model.trainable) - 1, batch_size=5)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    result = client.local_stats(len(client.model.trainable) - 1, batch_size=5)  # room again: it goes on
+    assert np.isfinite(result["G"]).all()
+
+
 @pytest.mark.parametrize("batch_size", [1, 5, 64])
 def test_batch_forward_equals_the_cached_one(rng, tmp_path, batch_size):
     """forward="batch" (Algorithm 1, line 8: each batch from the input layer) sums the same statistics."""
