@@ -67,10 +67,10 @@ def _reserve_blocks(path):
         except OSError as err:
             if err.errno in (errno.EOPNOTSUPP, errno.EINVAL):
                 return
-            raise OSError(err.errno, f"cannot reserve {size / 2**20:.1f} MiB for cached activations in "
-                                     f"{path.parent} ({os.strerror(err.errno)}); free space there, or run with --output "
-                                     f"on a disk with room (without it the cache is under $TMPDIR)",
-                          str(path)) from None
+            message = (f"cannot reserve {size / 2**20:.1f} MiB for cached activations in {path.parent} "
+                       f"({os.strerror(err.errno)}); free space there, or run with --output on a disk with room "
+                       f"(without it the cache is under $TMPDIR)")
+            raise OSError(err.errno, message, str(path)) from None
 
 
 def label_encoders(seed, n_classes, widths):
