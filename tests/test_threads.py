@@ -173,8 +173,10 @@ def test_environment_with_a_bad_value_is_named():
     assert "'fast'" in out.stderr
 
 
-def test_narrow_grams_run_one_blas_thread_whatever_their_rows(rng, rule, monkeypatch):
-    from fastls import _core, _kernels
+@pytest.fixture
+def gram_threads(rule, monkeypatch):
+    """The BLAS thread count of every Gram product, in call order, under the 1e4 rule."""
+    from fastls import _kernels
 
     fastls.set_flops_per_thread(1e4)
     seen = []
@@ -185,6 +187,13 @@ def test_narrow_grams_run_one_blas_thread_whatever_their_rows(rng, rule, monkeyp
         return gram_same(*args)
 
     monkeypatch.setattr(_kernels, "gram_same", recording)
+    return seen
+
+
+def test_narrow_grams_run_one_blas_thread_whatever_their_rows(rng, gram_threads):
+    from fastls import _core
+
+    seen = gram_threads
     X = rng.standard_normal((20000, _core.GRAM_MIN_THREADED_D))
     with fastls.limit_cores(2):
         fastls.gram_update(np.zeros((64, 64)), X[:, :64], check_finite=False)
@@ -192,18 +201,10 @@ def test_narrow_grams_run_one_blas_thread_whatever_their_rows(rng, rule, monkeyp
     assert seen == [1, 2]
 
 
-def test_grams_below_the_work_floor_run_one_blas_thread(rng, rule, monkeypatch):
-    from fastls import _core, _kernels
+def test_grams_below_the_work_floor_run_one_blas_thread(rng, gram_threads):
+    from fastls import _core
 
-    fastls.set_flops_per_thread(1e4)
-    seen = []
-    gram_same = _kernels.gram_same
-
-    def recording(*args):
-        seen.append(_kernels.blas_threads())
-        return gram_same(*args)
-
-    monkeypatch.setattr(_kernels, "gram_same", recording)
+    seen = gram_threads
     d = 129
     # Rows that put the work just below and just above GRAM_MIN_THREADED_FLOPS.
     below = int(_core.GRAM_MIN_THREADED_FLOPS // (d * d))
