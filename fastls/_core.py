@@ -18,7 +18,6 @@ Conventions shared by every kernel:
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import numbers
 import warnings
@@ -27,7 +26,7 @@ import numpy as np
 import scipy.linalg
 
 from . import _kernels
-from ._threads import sized_threads, threads_for
+from ._threads import run_spans, sized_threads, threads_for
 from ._workspace import recycled_array
 
 __all__ = [
@@ -928,11 +927,7 @@ def _assemble_blocks(acc, pending, plan, G):
     def assemble(block_range):
         _kernels.overlap_assemble(acc, pending, keys, starts, members, G, *_layout(G), mixed, *block_range)
 
-    if len(ranges) == 1:
-        assemble(ranges[0])
-    else:
-        with concurrent.futures.ThreadPoolExecutor(len(ranges)) as pool:
-            list(pool.map(assemble, ranges))
+    run_spans(assemble, ranges)
     pending[:] = 0
 
 

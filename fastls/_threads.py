@@ -18,6 +18,7 @@ like threadpoolctl's limits.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import itertools
 import os
@@ -167,6 +168,19 @@ def threads_for(flops):
     if _flops_per_thread == 0:
         return limit
     return int(max(1, min(limit, flops // _flops_per_thread)))
+
+
+def run_spans(fn, spans):
+    """fn(span) for every span, one thread each (the calling thread alone for a single span).
+
+    For memory-bound loops that release the GIL, split by the caller into as
+    many spans as :func:`threads_for` allows.
+    """
+    if len(spans) == 1:
+        fn(spans[0])
+        return
+    with concurrent.futures.ThreadPoolExecutor(len(spans)) as pool:
+        list(pool.map(fn, spans))
 
 
 # The context manager is compiled: entering it costs well under a microsecond.

@@ -10,13 +10,12 @@ nobody holds it turns that into a memset (or nothing).
 
 from __future__ import annotations
 
-import concurrent.futures
 import sys
 import threading
 
 import numpy as np
 
-from ._threads import threads_for
+from ._threads import run_spans, threads_for
 
 __all__ = ["recycled_array"]
 
@@ -86,6 +85,5 @@ def _zero(out):
         return
     flat = out.reshape(-1)  # a view: recycled arrays are C-contiguous
     bounds = np.linspace(0, flat.size, threads + 1).astype(np.intp)
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        # copyto releases the GIL for the copy.
-        list(pool.map(lambda span: np.copyto(flat[span[0]:span[1]], 0), zip(bounds[:-1], bounds[1:])))
+    # copyto releases the GIL for the copy.
+    run_spans(lambda span: np.copyto(flat[span[0]:span[1]], 0), list(zip(bounds[:-1], bounds[1:])))
