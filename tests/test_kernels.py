@@ -124,6 +124,22 @@ def test_mixed_products_over_uneven_tiles(rng, monkeypatch, out_order):
     assert_close(C, X64.T @ Z64, np.float32, 40)
 
 
+@pytest.mark.parametrize("out_order", ORDERS)
+@pytest.mark.parametrize("d, tile", [(511, 2560), (512, 2560), (600, 2560), (1030, 520)])
+def test_mixed_gram_across_transpose_blocks(rng, monkeypatch, out_order, d, tile):
+    """A Fortran G takes diagonal float32 tiles of 512 or more transposed, in 64 x 64 blocks.
+
+    600 ends on a partial block; 1030 in tiles of at most 520 is two diagonal tiles of 515.
+    """
+    monkeypatch.setattr("fastls._core.DEFAULT_TILE", tile)
+    X = random(rng, (300, d), np.float32)
+    G = np.zeros((d, d), order=out_order)
+    fastls.gram_update(G, X, block_rows=128)
+    X64 = X.astype(np.float64)
+    assert_close(upper(G), upper(X64.T @ X64), np.float32, 128)
+    np.testing.assert_array_equal(np.tril(G, -1), 0)
+
+
 def test_symmetrize(rng):
     A = rng.standard_normal((6, 6))
     full = fastls.symmetrize(A)
