@@ -40,6 +40,7 @@ the server); the server side is :class:`SecureServer`.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import secrets
@@ -288,6 +289,24 @@ def _layout(shapes):
     return offsets, start
 
 
+def _share_plaintext(owner, to, what, context, x, y):
+    """A share and what it is for, as JSON (context: None or a tuple of ints)."""
+    return json.dumps([owner, to, what, None if context is None else list(context), x, y]).encode()
+
+
+def _parse_share(plain, sender):
+    """(owner, to, what, context, x, y) from :func:`_share_plaintext`; raises on anything else."""
+    try:
+        owner, to, what, context, x, y = json.loads(plain)
+        fields_ok = (all(type(v) is int for v in (owner, to, x, y)) and what in ("key", "self")
+                     and (context is None or (isinstance(context, list) and all(type(v) is int for v in context))))
+    except (ValueError, TypeError):
+        fields_ok = False
+    if not fields_ok:
+        raise SecureAggregationError(f"the share from client {sender} is not (owner, to, what, context, x, y)")
+    return owner, to, what, None if context is None else tuple(context), x, y
+
+
 # ---------------------------------------------------------------------------
 # Client side
 # ---------------------------------------------------------------------------
@@ -305,6 +324,7 @@ class SecureClientState:
         self._self_masks = {}    # context -> b_i
         self._answered = {}      # (owner, context) -> "key" or "self": what it revealed for the owner
         self._agreed = {}        # neighbour -> X25519 shared secret (one exchange per pair and run)
+        self._ciphers = {}       # neighbour -> the AEAD of the shares exchanged with it (one key per pair and run)
 
     def public_key(self):
         return self._private.public_key().public_bytes_raw()
@@ -316,13 +336,16 @@ class SecureClientState:
         return self._agreed[other]
 
     def _aead(self, other):
-        return _crypto().ChaCha20Poly1305(_derive(self._shared(other), b"shares"))
+        # Derived once per pair: every round's shares are sealed under it with a fresh random nonce.
+        if other not in self._ciphers:
+            self._ciphers[other] = _crypto().ChaCha20Poly1305(_derive(self._shared(other), b"shares"))
+        return self._ciphers[other]
 
     def set_neighbours(self, public_keys):
         """Neighbour -> public key; returns this client's key shares, encrypted per neighbour."""
         self.neighbours = sorted(int(c) for c in public_keys)
         self._public = {int(c): bytes(k) for c, k in public_keys.items()}
-        self._agreed = {}
+        self._agreed, self._ciphers = {}, {}
         return self._encrypted_shares(self._key_secret, "key", None)
 
     def _encrypted_shares(self, secret, what, context):
@@ -331,14 +354,12 @@ class SecureClientState:
         out = {}
         for other, (x, y) in zip(self.neighbours, shares):
             nonce = os.urandom(12)
-            plain = repr((self.cid, other, what, context, x, y)).encode()
+            plain = _share_plaintext(self.cid, other, what, context, x, y)
             out[other] = nonce + self._aead(other).encrypt(nonce, plain, None)
         return out
 
     def receive_shares(self, ciphertexts):
         """Sender -> ciphertext addressed to this client: decrypted and kept."""
-        import ast
-
         for sender, blob in ciphertexts.items():
             sender = int(sender)
             if sender not in self._public:
@@ -348,7 +369,7 @@ class SecureClientState:
             except Exception as err:
                 raise SecureAggregationError(f"client {self.cid}: the share from client {sender} does not "
                                              f"authenticate ({type(err).__name__})") from None
-            owner, to, what, context, x, y = ast.literal_eval(plain.decode())
+            owner, to, what, context, x, y = _parse_share(plain, sender)
             if owner != sender or to != self.cid:
                 raise SecureAggregationError(f"client {self.cid}: a share from {sender} names {owner} -> {to}")
             self._held[(owner, what, context)] = (x, y)

@@ -1,5 +1,7 @@
 """Secure sums: fixed point, Shamir, the SecAgg+ graph, the masking protocol, and what the server can see."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -169,6 +171,16 @@ def test_a_tampered_share_is_refused():
     blob[-1] ^= 1
     with pytest.raises(SecureAggregationError, match="the share from client 0 does not authenticate"):
         states[1].receive_shares({0: bytes(blob)})
+
+
+@pytest.mark.parametrize("plain", [b"[0, 1, 'self']", b"[0, 1, \"both\", [1, 0], 1, 2]", b"[0, 1, \"self\", [1.5], 1, 2]",
+                                   b"not json"])
+def test_an_authentic_share_of_the_wrong_form_is_refused(plain):
+    states, server = _setup([0, 1, 2])
+    nonce = os.urandom(12)
+    blob = nonce + states[0]._aead(1).encrypt(nonce, plain, None)
+    with pytest.raises(SecureAggregationError, match="the share from client 0 is not \\(owner, to, what"):
+        states[1].receive_shares({0: blob})
 
 
 def test_too_many_dropouts_name_the_threshold(rng):
