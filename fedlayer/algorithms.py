@@ -143,7 +143,8 @@ class AnalyticAlgorithm(Algorithm):
         layers_done = resume_state["layers_done"] if resume_state else 0
         announce_rounds(progress, n_layers - layers_done + (n_layers if self.variant.personalize else 0))
         outcome = run_protocol(
-            transport, n_layers, self.variant, gamma=config.gamma, eps=config.eps, gamma_scope=config.gamma_scope,
+            transport, n_layers, self.variant, gamma=config.gamma, gamma_output=config.gamma_output, eps=config.eps,
+            gamma_scope=config.gamma_scope,
             groups=config.groups, seed=config.seed, batch_size=config.batch_size,
             max_batch_size=config.max_batch_size, clock=clock, progress=progress, checkpoint=checkpoint,
             resume=resume_state, fingerprint=config.fingerprint(), target_bases=target_bases(model, config.seed, config.conv_targets),
@@ -190,8 +191,10 @@ def _model_writer(model, weights, config, clients, group):
         trained = model.copy()
         for index, W in zip(trained.trainable, weights):
             trained.layers[index].set_weights(W)
-        trained.save(path, metadata={"algorithm": config.algorithm, "gamma": config.gamma, "eps": config.eps,
-                                     "group": group, "clients": clients, "split": config.split()})
+        trained.save(path, metadata={"algorithm": config.algorithm, "gamma": config.gamma,
+                                     **({"gamma_output": config.gamma_output} if config.gamma_output is not None
+                                        else {}),
+                                     "eps": config.eps, "group": group, "clients": clients, "split": config.split()})
 
     return write
 

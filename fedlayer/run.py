@@ -47,6 +47,7 @@ CONFIG_CONSTRAINTS = {
     "clients": _POSITIVE_INT,
     "beta": _POSITIVE,
     "gamma": _POSITIVE + [Options("auto")],
+    "gamma_output": [None] + _POSITIVE + [Options("auto")],
     "eps": _POSITIVE + [Options("auto")],
     "eps_criterion": [Options(*EPS_CRITERIA)],
     "gamma_scope": [Options("all", "group")],
@@ -94,6 +95,7 @@ class RunConfig:
     clients: int = 100
     beta: float = 0.1            # Dirichlet concentration of the label skew
     gamma: float | str = 100.0   # ridge regularization, eqs. (5), (11); "auto": GCV per layer on the server
+    gamma_output: float | str | None = None  # the output layer's gamma where it differs (e.g. "auto"); None: gamma
     eps: float | str = 2500.0    # proximal weight, eq. (13); "auto": leave-one-out / GCV per client and layer
     eps_criterion: str = "loo"   # what eps="auto" minimizes: squared error ("loo") or class errors ("loo_class")
     gamma_scope: str = "all"     # gamma="auto" with groups: one gamma from all groups' sums, or one per "group"
@@ -176,6 +178,8 @@ class RunConfig:
         algorithm = ALGORITHMS[self.algorithm]
         return {"algorithm": getattr(algorithm, "federated_stage", self.algorithm), "model": self.model, "gamma": self.gamma, "groups": self.groups,
                 "gamma_scope": self.gamma_scope,
+                # Only when set, so that checkpoints written before the key existed still resume.
+                **({"gamma_output": self.gamma_output} if self.gamma_output is not None else {}),
                 "width": self.width, "conv_targets": self.conv_targets, **self.split()}
 
 

@@ -61,6 +61,28 @@ def test_gamma_auto_solves_each_layer_with_its_gcv_minimum(rng):
         h = np.maximum(A @ W, 0) if position < 2 else A @ W
 
 
+def test_gamma_output_auto_chooses_only_the_classifiers_gamma(rng):
+    """gamma_output="auto": the hidden layers keep gamma's weights; the output layer is solved at its GCV minimum."""
+    x, y = make_data(rng, n=150, d=7)
+    config = dnn_config(7)
+    data = [client_data(x, y, np.arange(150))]
+    fixed, _ = run_clients(data, Variant(adaptive=False), config, gamma=30.0)
+    mixed, (client,) = run_clients(data, Variant(adaptive=False), config, gamma=30.0, gamma_output="auto")
+    *hidden, output = mixed["group_weights"][0]
+    for W, W_fixed in zip(hidden, fixed["group_weights"][0]):
+        np.testing.assert_array_equal(W, W_fixed)
+    assert [position for position, r in enumerate(mixed["rounds"]) if r.get("selection")] == [len(hidden)]
+    choice = mixed["rounds"][len(hidden)]["selection"]["all"]
+    h = x
+    for W in hidden:
+        h = np.maximum(np.hstack([h, np.ones((len(h), 1))]) @ W, 0)
+    A, Y = np.hstack([h, np.ones((len(h), 1))]), np.eye(N_CLASSES)[y]
+    assert_close(output, np.linalg.solve(A.T @ A + choice["gamma"] * np.eye(A.shape[1]), A.T @ Y), np.float64,
+                 rtol=1e-8)
+    assert fastls.RidgePath.from_rows(A, Y).gcv([choice["gamma"]])[0] <= min(choice["scores"]) * (1 + 1e-9)
+    assert not np.allclose(output, fixed["group_weights"][0][-1])
+
+
 @pytest.mark.parametrize("conv_targets", ["position", "image"])
 def test_target_moments_count_every_patch(rng, conv_targets):
     """tr(Z^T Z) and the row count a conv client uploads equal those of its explicit patch rows."""
@@ -119,6 +141,18 @@ def test_auto_choices_are_recorded_printed_and_plotted(tmp_path, capsys):
     assert "gamma chosen by GCV" in printed and "eps chosen by" in printed and "over 12 clients" in printed
     assert main(["plot", str(out / "results.json")]) == 0
     assert (out / "gcv.png").stat().st_size > 0
+
+
+def test_gamma_output_flag_selects_on_the_last_layer_only(tmp_path, capsys):
+    out = tmp_path / "output_only"
+    assert main(["run", "--algorithm", "fedacnnl", "--dataset", "synthetic", "--model", "dnn", "--clients", "12",
+                 "--gamma-output", "auto", "--quiet", "--output", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    selected = [bool(r.get("selection")) for r in results["rounds"].values() if r["stage"] == "federated"]
+    assert selected == [False, False, True]
+    assert results["config"]["gamma_output"] == "auto" and results["config"]["gamma"] == 100.0
+    with np.load(out / "model.npz") as saved:
+        assert json.loads(str(saved["metadata"]))["gamma_output"] == "auto"
 
 
 def test_eps_by_the_class_decision(rng):

@@ -88,6 +88,7 @@ def exit_status(argv):
         (["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
         (["--groups", "20", "--clients", "5"], "groups (K=20) cannot exceed the number of clients (5)"),
         (["--gamma", "-1"], "argument --gamma: must be a finite number > 0 or one of 'auto', got '-1'"),
+        (["--gamma-output", "0"], "argument --gamma-output: must be a finite number > 0 or one of 'auto', got '0'"),
         (["--batch-size", "2048"], "must not exceed max_batch_size"),
         (["--dataset", "mnist", "--data-dir", "/nonexistent"], "/nonexistent"),
         (["--algorithm", "fedzo", "--hyper", "learning_rate=0.1"],
