@@ -291,7 +291,8 @@ def _layout(shapes):
 
 def _share_plaintext(owner, to, what, context, x, y):
     """A share and what it is for, as JSON (context: None or a tuple of ints)."""
-    return json.dumps([owner, to, what, None if context is None else list(context), x, y]).encode()
+    return json.dumps([int(owner), int(to), what, None if context is None else [int(v) for v in context],
+                       int(x), int(y)]).encode()
 
 
 def _parse_share(plain, sender):
