@@ -26,18 +26,11 @@ import numpy as np
 import fastls
 from dev_layout import emit_report, use_shared_data
 from fedlayer.models import Model
-from fedlayer.run import RunConfig, load_dataset
+from fedlayer.run import RunConfig, load_dataset, pooled_data
 
 RUN_GAMMA = 100.0
 GAMMAS = [1e-2, 1e-1, 1.0, 10.0, RUN_GAMMA, 1e3, 1e4, 3e4, 1e5, 3e5, 1e6, 3e6, 1e7]
 FORWARD_BATCH = 256  # images per forward step: bounds the full-width activations
-
-
-def union(dataset, split):
-    """(images, labels) of every client's ``split`` ('train' or 'test'), concatenated."""
-    x = np.concatenate([getattr(c, f"x_{split}") for c in dataset.clients])
-    y = np.concatenate([getattr(c, f"y_{split}") for c in dataset.clients])
-    return x, y
 
 
 def classifier_rows(model, x):
@@ -56,8 +49,8 @@ def classifier_gamma_table(model, dataset, gammas, stat_dtype=np.float64):
     gcv_gamma : float
     timings : dict, seconds: forward (training images), solve (statistics and eigendecomposition)
     """
-    x_train, y_train = union(dataset, "train")
-    x_test, y_test = union(dataset, "test")
+    pooled = pooled_data(dataset)
+    x_train, y_train, x_test, y_test = pooled.x_train, pooled.y_train, pooled.x_test, pooled.y_test
     start = time.perf_counter()
     A = classifier_rows(model, x_train)
     forward_s = time.perf_counter() - start

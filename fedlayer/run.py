@@ -33,7 +33,7 @@ from .models import KNOWN_MODELS, build_model
 from .timing import Clock, time_summary
 from .transport import InProcessTransport
 
-__all__ = ["RunConfig", "run", "make_clients", "client_cores", "load_dataset", "CONFIG_CONSTRAINTS"]
+__all__ = ["RunConfig", "run", "make_clients", "client_cores", "load_dataset", "pooled_data", "CONFIG_CONSTRAINTS"]
 
 _POSITIVE_INT = [Interval(int, 1, None)]
 _POSITIVE = [Interval(float, 0, None, closed="neither")]
@@ -192,8 +192,8 @@ def client_cores(n_clients, seed, cores=None, available=None):
     return [int(c) for c in rng.integers(1, available + 1, size=n_clients)]
 
 
-def _pooled(dataset):
-    """All clients' training data as one client (centralized ACnnL), tests kept together."""
+def pooled_data(dataset):
+    """All clients' training data as one client (centralized ACnnL), their test splits together."""
     clients = dataset.clients
     return ClientData(
         x_train=np.concatenate([c.x_train for c in clients]),
@@ -208,7 +208,7 @@ def make_clients(config: RunConfig, dataset, model_config, client_ids=None):
     algorithm = ALGORITHMS[config.algorithm]
     cores = client_cores(len(dataset.clients), config.seed, config.cores)
     if algorithm.centralized:
-        return [Client(0, _pooled(dataset), model_config, config.seed, dataset.n_classes, max(cores), np.float64,
+        return [Client(0, pooled_data(dataset), model_config, config.seed, dataset.n_classes, max(cores), np.float64,
                        conv_targets=config.conv_targets, eps_criterion=config.eps_criterion, forward=config.forward)]
     ids = range(len(dataset.clients)) if client_ids is None else client_ids
     clients = []
