@@ -149,7 +149,7 @@ class AnalyticAlgorithm(Algorithm):
             max_batch_size=config.max_batch_size, clock=clock, progress=progress, checkpoint=checkpoint,
             resume=resume_state, fingerprint=config.fingerprint(), target_bases=target_bases(model, config.seed, config.conv_targets),
             secure=SecureServer(config.seed, min_group_size=config.min_group_size) if config.secure else None,
-            eval_every=config.eval_every, weights_dtype=model.dtype,
+            eval_every=config.eval_every, weights_dtype=model.dtype, upload=config.upload,
         )
         group_of = {int(cid): k for cid, k in outcome["groups"].items()}
         group_weights = outcome["group_weights"]

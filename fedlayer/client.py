@@ -338,6 +338,22 @@ class Client:
             return None
         return self.encoders[position].reshape(self.n_classes, *shape).transpose(1, 2, 0, 3)
 
+    def _coordinate_basis(self, position):
+        """Identity (out_h, out_w, n_classes, positions x n_classes) of a convolution coded per position, or None.
+
+        Given to :class:`fastls.ConvStats` as the position basis, it turns a
+        sample's one-hot label into the one-hot coordinate of (position,
+        class) at each output position, so C = X^T Y in the row order of
+        :func:`target_bases` (row p * n_classes + c).
+        """
+        shape = self._position_shape(position)
+        if shape is None:
+            return None
+        out_h, out_w, _ = shape
+        k = out_h * out_w * self.n_classes
+        identity = np.eye(k, dtype=self.model.dtype).reshape(out_h, out_w, self.n_classes, k)
+        return identity
+
     def _row_targets(self, position, labels):
         """The targets of the layer's least-squares rows, (len(labels) x rows per sample, m)."""
         Z = self._targets(position, labels)
@@ -451,8 +467,12 @@ class Client:
         # after it, up to the next trainable one (whose weights are not final yet).
         self._evaluated_upto = next((i for i in self.model.trainable if i > layer_index), len(self.model.layers))
 
-    def _statistics(self, position, batch_size, rng):
+    def _statistics(self, position, batch_size, rng, coordinates=False):
         """(X_l^T X_l, X_l^T Z_l) over the local training set, batch by batch (eq. 6).
+
+        With ``coordinates`` the second item is X_l^T Y's coordinates in the
+        layer's label code instead (:func:`target_bases`; k < m columns), from
+        which X_l^T Z_l = (X_l^T Y) Q_l.
 
         Returns G, C and the seconds spent on the forward pass and on the statistics.
         """
@@ -466,12 +486,17 @@ class Client:
         forward_s = time.perf_counter() - start
         # The previous client's uploads, once summed, lend their memory (first-touch zeroing of
         # fresh pages cost ~1 s per client at d = 18,433).
+        if coordinates and self.bases[position] is None:
+            raise ValueError(f"client {self.client_id}: layer {position + 1} has no label code narrower than its "
+                             f"{n_out} outputs, so X^T Y has no coordinates to upload; ask for X^T Z")
+        width = self.bases[position].shape[0] if coordinates else n_out
         G = fastls.recycled_array("fedlayer.statistics.G", (n_in, n_in), self.stat_dtype)
-        C = fastls.recycled_array("fedlayer.statistics.C", (n_in, n_out), self.stat_dtype)
+        C = fastls.recycled_array("fedlayer.statistics.C", (n_in, width), self.stat_dtype)
         order = rng.permutation(self.data.n_train) if rng is not None else np.arange(self.data.n_train)
-        basis = self._position_basis(position)
-        with layer.statistics(G, C, scratch_bytes=self.scratch_bytes, samples=len(order),
-                              position_basis=basis) as stats:
+        basis = self._coordinate_basis(position) if coordinates else self._position_basis(position)
+        one_hot_labels = coordinates or basis is not None
+        with layer.statistics(G, C, scratch_bytes=self.scratch_bytes, samples=len(order), position_basis=basis,
+                              target_width=width if coordinates and basis is None else None) as stats:
             for first in range(0, len(order), batch_size):
                 # Sorted within a batch: the rows are read in file order from a memory map.
                 batch = np.sort(order[first:first + batch_size])
@@ -481,9 +506,9 @@ class Client:
                     begin = time.perf_counter()
                     rows = self.model.forward(rows, layer_index, forward_rows)
                     forward_s += time.perf_counter() - begin
-                # Codes per position go in as one-hot coordinates of the basis.
-                stats.update(rows, self._targets(position, labels) if basis is None
-                             else one_hot(labels, self.n_classes, dtype=self.model.dtype))
+                # Codes per position, and coordinates, go in as one-hot labels.
+                stats.update(rows, one_hot(labels, self.n_classes, dtype=self.model.dtype) if one_hot_labels
+                             else self._targets(position, labels))
         return G, C, forward_s, time.perf_counter() - start - forward_s
 
     def _target_moments(self, position):
@@ -516,13 +541,15 @@ class Client:
             h = h + noise.normal(0.0, self.h_noise, size=h.shape)
         return {"h": h}
 
-    def local_stats(self, position, batch_size, round_index=0, target_moments=False):
+    def local_stats(self, position, batch_size, round_index=0, target_moments=False, coordinates=False):
         """Local computation of one round: the two items uploaded to the server.
 
         Batches of ``batch_size`` samples are drawn without replacement in a
         seeded random order; the sums do not depend on it (weight invariance).
         With ``target_moments`` the upload also holds ``zz`` = tr(Z^T Z) and
         ``rows``, the two numbers the server's GCV choice of gamma needs.
+        With ``coordinates``, C is X^T Y's coordinates in the layer's label
+        code (:data:`UPLOAD_MODES`).
         """
         if batch_size < 1:
             raise ValueError(f"client {self.client_id}: batch_size must be >= 1, got {batch_size}")
@@ -533,7 +560,7 @@ class Client:
         rng = np.random.default_rng([self.seed, self.client_id, round_index])
         start = time.perf_counter()
         with self._resident(), fastls.limit_cores(self.cores):
-            G, C, forward_s, stats_s = self._statistics(position, int(batch_size), rng)
+            G, C, forward_s, stats_s = self._statistics(position, int(batch_size), rng, bool(coordinates))
             upload = {"G": G, "C": C}
             if target_moments:
                 upload["zz"], upload["rows"] = self._target_moments(position)
@@ -564,7 +591,8 @@ class Client:
         self._secure.receive_shares(shares)
         return {"compute_s": time.perf_counter() - start}
 
-    def secure_bound(self, position, batch_size, summed, round_index=0, target_moments=False, upper=()):
+    def secure_bound(self, position, batch_size, summed, round_index=0, target_moments=False, upper=(),
+                     coordinates=False):
         """First half of a secure sum: compute the statistics, keep them, declare their magnitude exponent.
 
         ``summed`` names the entries of :meth:`local_stats` the server sums;
@@ -577,7 +605,7 @@ class Client:
         from .secure import magnitude_exponent
         from .transport import pack_upper
 
-        result = self.local_stats(position, batch_size, round_index, target_moments)
+        result = self.local_stats(position, batch_size, round_index, target_moments, coordinates)
         kept = {key: result.pop(key) for key in summed if key in result}
         kept.update({key: pack_upper(kept[key]) for key in upper if key in kept})
         self._secure_pending[position] = kept

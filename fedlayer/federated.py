@@ -37,6 +37,10 @@ __all__ = ["Variant", "VARIANTS", "adaptive_batch_sizes", "run_protocol", "AllCl
 UPLOADED = ("G", "C", "zz", "rows")
 #: The uploaded entries that are upper-triangular (the clients never fill G's lower triangle).
 _UPPER = ("G",)
+#: What the server asks a hidden layer's cross statistics to hold: X^T Y's coordinates in the label code Q_l
+#: ("coordinates", n_classes columns per code; the server multiplies by Q_l) or X^T Z = X^T Y Q_l itself
+#: ("targets", as the paper's Algorithm 1 uploads it).
+UPLOAD_MODES = ("coordinates", "targets")
 
 
 class AllClientsDropped(RuntimeError):
@@ -131,6 +135,14 @@ def _timed_accuracy(log, transport, evaluate=True):
     accuracy = overall_accuracy(transport)
     log.eval_s = time.perf_counter() - start
     return accuracy
+
+
+def _targets_cross(C, basis, position):
+    """X^T Z = (X^T Y) Q_l from the summed coordinates X^T Y the server asked for, (d, k) -> (d, m)."""
+    if C.shape[1] != basis.shape[0]:
+        raise ValueError(f"layer {position + 1}: asked for X^T Y's coordinates in the label code "
+                         f"({basis.shape[0]} columns), the clients' sum has {C.shape[1]}")
+    return fastls.matmul(C, basis.astype(C.dtype, copy=False), check_finite=False)
 
 
 def _gcv_choice(G, C, zz, rows, basis):
@@ -236,7 +248,7 @@ def _shareable(W, dtype):
 def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500.0, groups=10, seed=0,
                  batch_size=64, max_batch_size=1024, clock=Clock(), stat_dtype=np.float64, progress=None,
                  checkpoint=None, resume=None, fingerprint=None, target_bases=None, gamma_scope="all",
-                 secure=None, eval_every=1, weights_dtype=None, gamma_output=None):
+                 secure=None, eval_every=1, weights_dtype=None, gamma_output=None, upload="coordinates"):
     """Run one algorithm over ``transport``'s clients; returns the results record.
 
     Parameters
@@ -285,6 +297,12 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         (Z_l = Y Q_l; None for the output layer). The server then solves on
         the n_classes columns of C Q_l^+ instead of the d_l columns of C
         (:func:`fastls.ridge_solve`'s ``rhs_basis``): the same weights.
+    upload : {"coordinates", "targets"}, default="coordinates"
+        What the server asks the clients for where ``target_bases`` gives a
+        layer a label code narrower than its outputs: X^T Y's coordinates in
+        Q_l (k < m columns; the server forms X^T Z = (X^T Y) Q_l) or X^T Z
+        itself, as the paper's Algorithm 1 uploads it. The same weights; the
+        coordinates are fewer bytes to upload, mask and sum.
 
     secure : fedlayer.secure.SecureServer or None
         Sum the statistics by the secure protocol (pairwise masks, fixed
@@ -320,6 +338,8 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
     rounds = []
     if int(eval_every) < 1:
         raise ValueError(f"eval_every must be >= 1, got {eval_every}")
+    if upload not in UPLOAD_MODES:
+        raise ValueError(f"upload must be one of {UPLOAD_MODES}, got {upload!r}")
     total_rounds = n_layers * (2 if variant.personalize else 1)
 
     def evaluated(done):
@@ -372,6 +392,7 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         log.batch = dict(batch)
         weights = {}
         basis = target_bases[position] if target_bases else None
+        coordinates = upload == "coordinates" and basis is not None
         layer_gamma = gamma_output if gamma_output is not None and position == n_layers - 1 else gamma
         auto_gamma = layer_gamma == "auto"
         pooled_gamma = auto_gamma and gamma_scope == "all" and n_groups > 1
@@ -387,7 +408,8 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         for k in range(n_groups):
             members = [cid for cid in cids if group_of[cid] == k]
             args = {cid: {"position": position, "batch_size": batch[cid], "round_index": position,
-                          **({"target_moments": True} if auto_gamma else {})} for cid in members}
+                          **({"target_moments": True} if auto_gamma else {}),
+                          **({"coordinates": True} if coordinates else {})} for cid in members}
             # The transport returns the group's sums only (never one client's statistics).
             if secure is not None:
                 outcome = _secure_sum(transport, secure, args, (position, k), stat_dtype)
@@ -405,6 +427,8 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
                                        f"{first[1]}")
                 continue
             G_sum, C_sum = outcome.totals["G"], outcome.totals["C"]
+            if coordinates:
+                C_sum = _targets_cross(C_sum, basis, position)
             zz_sum, rows_sum = float(outcome.totals.get("zz", 0.0)), int(outcome.totals.get("rows", 0))
             del outcome
             start = time.perf_counter()

@@ -505,8 +505,9 @@ class TrainableLayer(Layer):
 
     # -- least squares ---------------------------------------------------
 
-    def _check_stats(self, G, C, n_inputs):
-        for name, A, shape in (("G", G, (n_inputs, n_inputs)), ("C", C, (n_inputs, self.n_outputs))):
+    def _check_stats(self, G, C, n_inputs, width=None):
+        width = self.n_outputs if width is None else width
+        for name, A, shape in (("G", G, (n_inputs, n_inputs)), ("C", C, (n_inputs, width))):
             if not isinstance(A, np.ndarray):
                 raise TypeError(f"{name} must be a NumPy array, got {type(A).__name__}")
             if A.shape != shape:
@@ -549,20 +550,28 @@ class TrainableLayer(Layer):
         with self.statistics(G, C, scratch_bytes=scratch_bytes) as stats:
             stats.update(x, z)
 
-    def statistics(self, G, C, *, scratch_bytes=DEFAULT_SCRATCH_BYTES, samples=None, position_basis=None):
+    def statistics(self, G, C, *, scratch_bytes=DEFAULT_SCRATCH_BYTES, samples=None, position_basis=None,
+                   target_width=None):
         """A running accumulator of G and C over batches: ``update(x, z)``, then ``finish()``.
 
         Use it as a context manager; G and C are complete when it closes.
         Batches are checked as in :meth:`accumulate`. ``samples``, the total
         the batches will hold when known, lets the kernels pick their method
         for the whole pass. ``position_basis`` (Conv2d only, shape (out_h,
-        out_w, k, filters)): ``z`` holds (B, k) coordinates and the target at
-        output position (y, x) is ``z @ position_basis[y, x]``
-        (:class:`fastls.ConvStats`).
+        out_w, k, m)): ``z`` holds (B, k) coordinates, the target at output
+        position (y, x) is ``z @ position_basis[y, x]`` and C has its m
+        columns (:class:`fastls.ConvStats`). ``target_width``: z (B, w) and
+        C (n_inputs, w) have w columns instead of the layer's outputs, e.g.
+        the coordinates Y of targets Y Q, for X^T Y instead of X^T Y Q (a
+        convolution repeats a sample's row of z at each output position).
         """
         if position_basis is not None and not isinstance(self, Conv2d):
             raise ValueError(f"{self!r} has no output positions: position_basis applies to Conv2d layers only")
-        return _LayerStatistics(self, G, C, scratch_bytes, samples, position_basis)
+        if position_basis is not None and target_width is not None:
+            raise ValueError("give position_basis or target_width, not both: the basis sets the width of C")
+        if target_width is not None:
+            target_width = _positive_int("target_width", target_width)
+        return _LayerStatistics(self, G, C, scratch_bytes, samples, position_basis, target_width)
 
     def _statistics_kernel(self, G, C, x, z, scratch_bytes, samples, position_basis=None):
         """What adds checked batches like the first one, (x, z): an object with update(x, z) and finish()."""
@@ -886,21 +895,26 @@ def _winograd_filters(W, channels):
 class _LayerStatistics:
     """Checks each batch as the layer's ``accumulate`` did, then hands it to the layer's kernel."""
 
-    def __init__(self, layer, G, C, scratch_bytes, samples=None, position_basis=None):
+    def __init__(self, layer, G, C, scratch_bytes, samples=None, position_basis=None, target_width=None):
         self.layer = layer
         self.G, self.C = G, C
         self.scratch_bytes = _positive_int("scratch_bytes", scratch_bytes)
         self.samples = samples
         self.position_basis = position_basis
+        self.target_width = target_width
         self._kernel = None
 
     def update(self, x, z):
         layer = self.layer
         x = layer._ls_input(x, layer._INPUT_NDIM, layer._INPUT_WHAT)
-        shapes = (layer._target_shapes(x) if self.position_basis is None
-                  else [(x.shape[0], self.position_basis.shape[2])])
+        if self.position_basis is not None:
+            shapes, width = [(x.shape[0], self.position_basis.shape[2])], self.position_basis.shape[3]
+        elif self.target_width is not None:
+            shapes, width = [(x.shape[0], self.target_width)], self.target_width
+        else:
+            shapes, width = layer._target_shapes(x), None
         z = layer._ls_target(z, x.shape[0], x.dtype, shapes)
-        layer._check_stats(self.G, self.C, layer._n_inputs(x.shape[1:]))
+        layer._check_stats(self.G, self.C, layer._n_inputs(x.shape[1:]), width)
         if x.shape[0] == 0:
             return self
         if self._kernel is None:

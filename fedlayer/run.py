@@ -28,6 +28,7 @@ import fastls
 from ._validation import Boolean, InstanceOf, Interval, ListOf, Options, check_params
 from .algorithms import ALGORITHMS
 from .client import CONV_TARGETS, EPS_CRITERIA, FORWARD_MODES, Client
+from .federated import UPLOAD_MODES
 from .data import KNOWN_DATASETS, ClientData, load_federated
 from .models import KNOWN_MODELS, build_model
 from .timing import Clock, time_summary
@@ -58,6 +59,7 @@ CONFIG_CONSTRAINTS = {
     "width": _POSITIVE,
     "conv_targets": [Options(*CONV_TARGETS)],
     "forward": [Options(*FORWARD_MODES)],
+    "upload": [Options(*UPLOAD_MODES)],
     "dtype": [Options("float32", "float64")],
     "cores": [None, ListOf(Interval(int, 1, None))],
     "bandwidth_gbps": _POSITIVE,
@@ -106,6 +108,7 @@ class RunConfig:
     width: float = 1.0           # channel multiplier of the DCNN
     conv_targets: str = "position"  # a convolution's label code: one per output position, or one per "image"
     forward: str = "cached"      # layer inputs of a round: cached activations, or each "batch" from the input layer
+    upload: str = "coordinates"  # a hidden layer's cross statistics: X^T Y's coordinates, or X^T Z ("targets")
     dtype: str = "float64"       # data and model dtype; statistics are float64
     cores: list[int] | None = None   # per-client cores (cycled); None = random 1..available per seed
     bandwidth_gbps: float = 100.0
