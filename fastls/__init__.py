@@ -37,8 +37,10 @@ from ._threads import (
     blas_info,
     get_flops_per_thread,
     limit_cores,
+    reset_thread_trials,
     set_flops_per_thread,
     sized_threads,
+    thread_trials,
     threads_for,
 )
 
@@ -78,4 +80,6 @@ __all__ = [
     "get_flops_per_thread",
     "set_flops_per_thread",
     "FLOPS_PER_THREAD",
+    "thread_trials",
+    "reset_thread_trials",
 ]

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import functools
 import numbers
+import time
 import warnings
 
 import numpy as np
 import scipy.linalg
 
 from . import _kernels
-from ._threads import run_spans, sized_threads, threads_for
+from ._threads import narrow_gram_trials, run_spans, sized_threads, threads_for
 from ._workspace import recycled_array
 
 __all__ = [
@@ -192,11 +193,14 @@ def gram_update(G, X, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
 _DIAGONAL_CHECK_BYTES = 8 * 2**20
 
 
-# Narrower Grams run one BLAS thread whatever their rows. OpenBLAS's two-thread
-# syrk splits the d x d output, and every thread streams all N rows: at d = 33
-# and 65 it ran up to 1.6x slower than one thread in both dtypes, on two days
-# with machines 2x apart in speed, while from d = 129 it paid from a few hundred
-# rows (docs/results/threads.md, "Narrow Grams").
+# Narrower Grams do not follow the flops rule. OpenBLAS's two-thread syrk splits
+# the d x d output, and every thread streams all N rows: at d = 33 and 65 it ran
+# up to 1.6x slower than one thread in both dtypes, on two days with machines 2x
+# apart in speed, while from d = 129 it paid from a few hundred rows. But at
+# d = 65 in float64 from 4,096 rows two threads were 1.13-1.18x faster on other
+# days (docs/results/threads.md, "Narrow Grams"). So each kind of narrow Gram
+# (dtype, d, rows to a power of two) is timed on its first calls with one thread
+# and with the rule's, and keeps the faster (fastls._threads.ThreadTrials).
 GRAM_MIN_THREADED_D = 96
 # ... and Grams of less work (N d^2 flops) run one thread too. On this VM three grids
 # measured two threads 0.82-0.92x of one at d = 129 and 64 rows (1.1e6 flops) in both
@@ -207,18 +211,25 @@ GRAM_MIN_THREADED_FLOPS = 2e6
 
 
 def _gram_thread_work(n, d):
-    """The work (flops) the size rule sees for a Gram of n x d rows: 0 (one thread) below either floor."""
+    """The work (flops) the size rule sees for a Gram of n x d rows: 0 (one thread) below the work floor."""
     work = float(n) * d * d
-    return work if d >= GRAM_MIN_THREADED_D and work >= GRAM_MIN_THREADED_FLOPS else 0.0
+    return work if work >= GRAM_MIN_THREADED_FLOPS else 0.0
 
 
 def _gram_into(G, X, mixed, block_rows):
     g_layout, x_layout = _layout(G), _layout(X)
-    with sized_threads(_gram_thread_work(*X.shape)):
+    n, d = X.shape
+    work, trial = _gram_thread_work(n, d), None
+    if work and d < GRAM_MIN_THREADED_D:
+        work, trial = narrow_gram_trials.plan((X.dtype.char, d, n.bit_length()), work)
+        start = time.perf_counter()
+    with sized_threads(work):
         if mixed:
             _kernels.gram_mixed(G, *g_layout, X, *x_layout, block_rows, DEFAULT_TILE)
         else:
             _kernels.gram_same(G, *g_layout, X, *x_layout)
+    if trial is not None:
+        narrow_gram_trials.record(trial, time.perf_counter() - start, float(n) * d * d)
 
 
 def cross_update(C, X, Z, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):

@@ -29,7 +29,8 @@ from threadpoolctl import ThreadpoolController
 from . import _kernels
 
 __all__ = ["limit_cores", "available_cores", "blas_info", "threads_for", "sized_threads",
-           "get_flops_per_thread", "set_flops_per_thread", "FLOPS_PER_THREAD"]
+           "get_flops_per_thread", "set_flops_per_thread", "FLOPS_PER_THREAD", "thread_trials",
+           "reset_thread_trials"]
 
 # Work (flops, 2 x multiply-adds; N d^2 for a Gram) that pays for one more BLAS
 # thread, measured on the 2-core development machine with one BLAS pool at work
@@ -168,6 +169,79 @@ def threads_for(flops):
     if _flops_per_thread == 0:
         return limit
     return int(max(1, min(limit, flops // _flops_per_thread)))
+
+
+class ThreadTrials:
+    """Thread counts learned by timing: the first calls of a kind run one thread, then the rule's count.
+
+    For kernels whose best thread count the size rule cannot predict (it
+    flips between machines and between days of one VM), each kind of call,
+    a ``key`` such as (dtype, width, rows scale), runs ``trials + 1`` calls
+    on one thread, then ``trials + 1`` on the rule's count. The first call of
+    each block is not timed (it wakes or parks the second thread), and
+    blocks rather than alternation keep one setting's idle workers from
+    slowing the other's calls. From then on the kind runs the rule's count
+    if its fastest call took at most ``margin`` of one thread's time per
+    flop, else one thread: a near tie keeps the count that cannot oversubscribe.
+    A process learns each kind once; :func:`thread_trials` shows what it
+    chose, :func:`reset_thread_trials` forgets it.
+    """
+
+    def __init__(self, trials=3, margin=0.95):
+        self.trials = int(trials)
+        self.margin = float(margin)
+        self._seconds = {}  # key -> (calls so far, seconds per flop with one thread, with the rule's threads)
+        self._choice = {}   # key -> the threads chosen
+
+    def plan(self, key, flops):
+        """(flops to give sized_threads, trial to record or None) for a call of ``flops`` work."""
+        if _flops_per_thread == 0:  # the rule is off: the caller's limit, untimed
+            return flops, None
+        threads = threads_for(flops)
+        if threads == 1:
+            return 0.0, None
+        key = (*key, threads)
+        choice = self._choice.get(key)
+        if choice is not None:
+            return (flops if choice > 1 else 0.0), None
+        calls = self._seconds.setdefault(key, [0, [], []])[0]
+        more = calls > self.trials  # calls 0..trials on one thread, the next trials + 1 on the rule's
+        return (flops if more else 0.0), (key, more, calls % (self.trials + 1) != 0)
+
+    def record(self, trial, seconds, flops):
+        """Log the call ``trial`` (from :meth:`plan`) of ``flops`` work that took ``seconds``."""
+        key, more, timed = trial
+        state = self._seconds.get(key)
+        if state is None:  # decided meanwhile (another thread's call)
+            return
+        state[0] += 1
+        if timed:
+            state[1 + more].append(seconds / flops)
+        if state[0] >= 2 * (self.trials + 1):
+            one, rule = min(state[1]), min(state[2])
+            self._choice[key] = key[-1] if rule <= self.margin * one else 1
+            self._seconds.pop(key, None)
+
+    def choices(self):
+        return dict(self._choice)
+
+    def reset(self):
+        self._seconds.clear()
+        self._choice.clear()
+
+
+#: The timed choice of narrow Grams (see fastls._core.GRAM_MIN_THREADED_D).
+narrow_gram_trials = ThreadTrials()
+
+
+def thread_trials():
+    """What timing chose so far: {(dtype char, d, log2 rows, threads tried): threads chosen}, narrow Grams."""
+    return narrow_gram_trials.choices()
+
+
+def reset_thread_trials():
+    """Forget the thread counts learned by timing (e.g. after moving to other cores)."""
+    narrow_gram_trials.reset()
 
 
 def run_spans(fn, spans):

@@ -190,15 +190,76 @@ def gram_threads(rule, monkeypatch):
     return seen
 
 
-def test_narrow_grams_run_one_blas_thread_whatever_their_rows(rng, gram_threads):
+class _FakeClock:
+    """perf_counter for fastls._core: each Gram advances it by a time set per thread count."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+@pytest.fixture
+def timed_narrow_grams(rule, monkeypatch):
+    """(threads of each Gram call, clock, seconds per call by thread count) with fresh thread trials."""
+    from fastls import _core, _kernels
+
+    fastls.set_flops_per_thread(1e4)
+    fastls.reset_thread_trials()
+    clock, seen, seconds = _FakeClock(), [], {}
+    monkeypatch.setattr(_core, "time", clock)
+    gram_same = _kernels.gram_same
+
+    def timed(*args):
+        threads = _kernels.blas_threads()
+        seen.append(threads)
+        clock.now += seconds[threads]
+        return gram_same(*args)
+
+    monkeypatch.setattr(_kernels, "gram_same", timed)
+    yield seen, seconds
+    fastls.reset_thread_trials()
+
+
+@pytest.mark.parametrize("one, two, faster", [(1.0, 1.5, 1), (1.5, 1.0, 2), (1.03, 1.0, 1)],
+                         ids=["one-thread-faster", "two-threads-faster", "near-tie-keeps-one"])
+def test_narrow_grams_time_both_thread_counts_then_keep_the_faster(rng, timed_narrow_grams, one, two, faster):
     from fastls import _core
 
-    seen = gram_threads
-    X = rng.standard_normal((20000, _core.GRAM_MIN_THREADED_D))
+    seen, seconds = timed_narrow_grams
+    seconds.update({1: one, 2: two})
+    d = 64
+    rows = 4096
+    assert d < _core.GRAM_MIN_THREADED_D and rows * d * d >= _core.GRAM_MIN_THREADED_FLOPS
+    X = rng.standard_normal((rows, d))
+    G = np.zeros((d, d))
     with fastls.limit_cores(2):
-        fastls.gram_update(np.zeros((64, 64)), X[:, :64], check_finite=False)
-        fastls.gram_update(np.zeros((X.shape[1],) * 2), X, check_finite=False)
+        for _ in range(10):
+            fastls.gram_update(G, X, check_finite=False)
+    block = fastls._threads.narrow_gram_trials.trials + 1
+    assert seen == [1] * block + [2] * block + [faster] * (10 - 2 * block)
+    assert fastls.thread_trials() == {("d", d, rows.bit_length(), 2): faster}
+    assert_close(np.triu(G), 10 * np.triu(X.T @ X), np.float64, n_terms=10 * rows)
+    # Another kind (rows of another power of two, or another dtype) is timed afresh.
+    seen.clear()
+    with fastls.limit_cores(2):
+        fastls.gram_update(G, X[:rows // 2], check_finite=False)
+        fastls.gram_update(np.zeros((d, d), dtype=np.float32), X.astype(np.float32), check_finite=False)
+    assert seen == [1, 1]
+
+
+def test_narrow_grams_are_not_timed_without_a_choice(rng, timed_narrow_grams):
+    seen, seconds = timed_narrow_grams
+    seconds.update({1: 1.0, 2: 1.0})
+    X = rng.standard_normal((4096, 64))
+    with fastls.limit_cores(1):  # one thread allowed: nothing to choose
+        fastls.gram_update(np.zeros((64, 64)), X, check_finite=False)
+    fastls.set_flops_per_thread(0)  # the rule off: the caller's limit, untimed
+    with fastls.limit_cores(2):
+        fastls.gram_update(np.zeros((64, 64)), X, check_finite=False)
     assert seen == [1, 2]
+    assert fastls.thread_trials() == {}
 
 
 def test_grams_below_the_work_floor_run_one_blas_thread(rng, gram_threads):
