@@ -351,8 +351,7 @@ class Client:
             return None
         out_h, out_w, _ = shape
         k = out_h * out_w * self.n_classes
-        identity = np.eye(k, dtype=self.model.dtype).reshape(out_h, out_w, self.n_classes, k)
-        return identity
+        return np.eye(k, dtype=self.model.dtype).reshape(out_h, out_w, self.n_classes, k)
 
     def _row_targets(self, position, labels):
         """The targets of the layer's least-squares rows, (len(labels) x rows per sample, m)."""
@@ -484,12 +483,12 @@ class Client:
         x = self.data.x_train if per_batch else self._layer_inputs("train", layer_index)
         forward_rows = self._forward_rows(0, layer_index) if per_batch else None
         forward_s = time.perf_counter() - start
-        # The previous client's uploads, once summed, lend their memory (first-touch zeroing of
-        # fresh pages cost ~1 s per client at d = 18,433).
         if coordinates and self.bases[position] is None:
             raise ValueError(f"client {self.client_id}: layer {position + 1} has no label code narrower than its "
                              f"{n_out} outputs, so X^T Y has no coordinates to upload; ask for X^T Z")
         width = self.bases[position].shape[0] if coordinates else n_out
+        # The previous client's uploads, once summed, lend their memory (first-touch zeroing of
+        # fresh pages cost ~1 s per client at d = 18,433).
         G = fastls.recycled_array("fedlayer.statistics.G", (n_in, n_in), self.stat_dtype)
         C = fastls.recycled_array("fedlayer.statistics.C", (n_in, width), self.stat_dtype)
         order = rng.permutation(self.data.n_train) if rng is not None else np.arange(self.data.n_train)
@@ -549,7 +548,7 @@ class Client:
         With ``target_moments`` the upload also holds ``zz`` = tr(Z^T Z) and
         ``rows``, the two numbers the server's GCV choice of gamma needs.
         With ``coordinates``, C is X^T Y's coordinates in the layer's label
-        code (:data:`UPLOAD_MODES`).
+        code (:data:`fedlayer.federated.UPLOAD_MODES`).
         """
         if batch_size < 1:
             raise ValueError(f"client {self.client_id}: batch_size must be >= 1, got {batch_size}")
