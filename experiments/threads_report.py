@@ -148,9 +148,9 @@ def main():
                         threads = fastls.threads_for(fastls._core._gram_thread_work(rows, d) if kind == "gram"
                                                      else flops)
                     fastls.set_flops_per_thread(previous)
-                    # Narrow Grams run what their timed first calls chose (fastls.thread_trials).
-                    threads = fastls.thread_trials().get((np.dtype(dtype).char, d, rows.bit_length(), threads),
-                                                         threads)
+                    if kind == "gram":  # narrow Grams run what their timed first calls chose
+                        threads = fastls.thread_trials().get((np.dtype(dtype).char, d, rows.bit_length(), threads),
+                                                             threads)
                     record = summarize({"kind": kind, "dtype": dtype, "d": d, "rows": rows, "flops": flops,
                                         "threads": threads, "runs": runs}, args.stat)
                     if ratio(record) > TARGET_RATIO and args.confirm:
