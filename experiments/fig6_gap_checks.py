@@ -44,9 +44,8 @@ def with_flips(dataset):
 
 
 def flips(config):
-    rows = []
-    for name, transform in (("as given", lambda d: d), ("with mirrored copies", with_flips)):
-        dataset = transform(load_dataset(config))
+    rows, given = [], load_dataset(config)
+    for name, dataset in (("as given", given), ("with mirrored copies", with_flips(given))):
         start = time.perf_counter()
         accuracy = run(config, dataset=dataset)["accuracy"]
         accuracy = accuracy[-1] if isinstance(accuracy, list) else accuracy

@@ -219,9 +219,10 @@ def _gram_thread_work(n, d):
 def _gram_into(G, X, mixed, block_rows):
     g_layout, x_layout = _layout(G), _layout(X)
     n, d = X.shape
-    work, trial = _gram_thread_work(n, d), None
-    if work and d < GRAM_MIN_THREADED_D:
-        work, trial = narrow_gram_trials.plan((X.dtype.char, d, n.bit_length()), work)
+    flops = _gram_thread_work(n, d)
+    work, trial = flops, None
+    if flops and d < GRAM_MIN_THREADED_D:
+        work, trial = narrow_gram_trials.plan((X.dtype.char, d, n.bit_length()), flops)
         start = time.perf_counter()
     with sized_threads(work):
         if mixed:
@@ -229,7 +230,7 @@ def _gram_into(G, X, mixed, block_rows):
         else:
             _kernels.gram_same(G, *g_layout, X, *x_layout)
     if trial is not None:
-        narrow_gram_trials.record(trial, time.perf_counter() - start, float(n) * d * d)
+        narrow_gram_trials.record(trial, time.perf_counter() - start, flops)
 
 
 def cross_update(C, X, Z, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):

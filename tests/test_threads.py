@@ -201,24 +201,21 @@ class _FakeClock:
 
 
 @pytest.fixture
-def timed_narrow_grams(rule, monkeypatch):
-    """(threads of each Gram call, clock, seconds per call by thread count) with fresh thread trials."""
+def timed_narrow_grams(gram_threads, monkeypatch):
+    """(gram_threads' record, seconds per call by thread count, to fill) on a fake clock, thread trials fresh."""
     from fastls import _core, _kernels
 
-    fastls.set_flops_per_thread(1e4)
     fastls.reset_thread_trials()
-    clock, seen, seconds = _FakeClock(), [], {}
+    clock, seconds = _FakeClock(), {}
     monkeypatch.setattr(_core, "time", clock)
-    gram_same = _kernels.gram_same
+    recording = _kernels.gram_same
 
     def timed(*args):
-        threads = _kernels.blas_threads()
-        seen.append(threads)
-        clock.now += seconds[threads]
-        return gram_same(*args)
+        clock.now += seconds[_kernels.blas_threads()]
+        return recording(*args)
 
     monkeypatch.setattr(_kernels, "gram_same", timed)
-    yield seen, seconds
+    yield gram_threads, seconds
     fastls.reset_thread_trials()
 
 
