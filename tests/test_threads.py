@@ -272,3 +272,66 @@ def test_grams_below_the_work_floor_run_one_blas_thread(rng, gram_threads):
         fastls.gram_update(np.zeros((d, d)), X, check_finite=False)
     assert below * d * d < _core.GRAM_MIN_THREADED_FLOPS <= X.shape[0] * d * d
     assert seen == [1, 2]
+
+
+@pytest.fixture
+def gram_calls(rule, monkeypatch):
+    """(BLAS threads, rows) of every same-dtype Gram product, in call order, under the 1e4 rule."""
+    from fastls import _kernels
+
+    fastls.set_flops_per_thread(1e4)
+    seen = []
+    gram_same = _kernels.gram_same
+
+    def recording(G, g_rowmajor, ldg, X, *rest):
+        seen.append((_kernels.blas_threads(), X.shape[0]))
+        return gram_same(G, g_rowmajor, ldg, X, *rest)
+
+    monkeypatch.setattr(_kernels, "gram_same", recording)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("order", ORDERS)
+def test_moderate_grams_split_the_rows_over_one_thread_products(rng, gram_calls, dtype, order):
+    from fastls import _core
+
+    d, rows = 600, 2 * _core.GRAM_SPLIT_MIN_ROWS + 3
+    X = rng.standard_normal((rows, d)).astype(dtype)
+    start = rng.standard_normal((d, d)).astype(dtype)
+    G = np.array(start, order=order)
+    with fastls.limit_cores(2):
+        fastls.gram_update(G, X, check_finite=False)
+    half = rows // 2
+    assert gram_calls == [(1, half), (1, rows - half)] or gram_calls == [(1, rows - half), (1, half)]
+    expected = np.triu(start.astype(np.float64) + X.astype(np.float64).T @ X.astype(np.float64))
+    assert_close(np.triu(G), expected, dtype, n_terms=rows)
+    np.testing.assert_array_equal(np.tril(G, -1), np.tril(start, -1))
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_mixed_grams_split_the_rows_too(rng, rule, order):
+    fastls.set_flops_per_thread(1e4)
+    d, rows = 785, 5000
+    X = rng.standard_normal((rows, d)).astype(np.float32)
+    G = np.zeros((d, d), order=order)
+    with fastls.limit_cores(2):
+        fastls.gram_update(G, X)
+    X64 = X.astype(np.float64)
+    assert_close(np.triu(G), np.triu(X64.T @ X64), np.float32, n_terms=rows)
+
+
+@pytest.mark.parametrize("d, rows", [(400, 8192), (1200, 8192), (600, 4000)],
+                         ids=["narrower", "wider", "too-few-rows-per-thread"])
+def test_other_grams_keep_one_product_on_openblas_threads(rng, gram_calls, d, rows):
+    X = rng.standard_normal((rows, d))
+    with fastls.limit_cores(2):
+        fastls.gram_update(np.zeros((d, d)), X, check_finite=False)
+    assert gram_calls == [(2, rows)]
+
+
+def test_one_core_never_splits(rng, gram_calls):
+    X = rng.standard_normal((8192, 600))
+    with fastls.limit_cores(1):
+        fastls.gram_update(np.zeros((600, 600)), X, check_finite=False)
+    assert gram_calls == [(1, 8192)]
