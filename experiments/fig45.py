@@ -63,10 +63,10 @@ def main():
     paper_rounds = PAPER_ROUNDS[args.dataset]
     rounds = {algorithm: paper_rounds for algorithm in BASELINE}
     for entry in args.budget:
-        name, _, value = entry.rpartition("=")
-        if name and name not in BASELINE:
-            parser.error(f"--budget {entry}: {name!r} is not one of the baselines {BASELINE}")
-        for algorithm in [name] if name else BASELINE:
+        capped, _, value = entry.rpartition("=")
+        if capped and capped not in BASELINE:
+            parser.error(f"--budget {entry}: {capped!r} is not one of the baselines {BASELINE}")
+        for algorithm in [capped] if capped else BASELINE:
             rounds[algorithm] = min(paper_rounds, int(value))
 
     by_seed = {}
