@@ -116,17 +116,29 @@ def test_masks_cancel_and_dropped_clients_masks_are_removed(rng, dropped):
         assert abs(np.corrcoef(code.decode(uploads[c]["G"]).ravel(), data[c].ravel())[0, 1]) < 0.9
 
 
-def test_keystream_is_aes256_ctr(rng):
-    # against AES-256 of the counter blocks 0, 1, 2, ... (ECB), an independent route to the same stream
+@pytest.mark.parametrize("key_bytes", [16, 32])
+def test_keystream_is_aes_ctr(rng, key_bytes):
+    # against AES of the counter blocks 0, 1, 2, ... (ECB), an independent route to the same stream
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-    key = bytes(rng.integers(0, 256, 32, dtype=np.uint8))
+    key = bytes(rng.integers(0, 256, key_bytes, dtype=np.uint8))
     n_words = 2 * 37 + 1  # not a whole number of 16-byte blocks
     counters = b"".join(i.to_bytes(16, "big") for i in range(38))
     blocks = Cipher(algorithms.AES(key), modes.ECB()).encryptor().update(counters)
     expected = np.frombuffer(blocks[:8 * n_words], dtype=np.uint64)
     np.testing.assert_array_equal(keystream_words(key, n_words), expected)
-    assert not np.array_equal(keystream_words(bytes(32), n_words), expected)
+    assert not np.array_equal(keystream_words(bytes(key_bytes), n_words), expected)
+
+
+def test_mask_keys_are_aes128_keys_per_purpose_and_sum():
+    from fedlayer.secure import _mask_key
+
+    secret = bytes(range(32))
+    key = _mask_key(secret, b"mask", (1, 0))
+    assert len(key) == 16
+    assert key != _mask_key(secret, b"self mask", (1, 0))
+    assert key != _mask_key(secret, b"mask", (2, 0))
+    assert key == _mask_key(secret, b"mask", (1, 0))
 
 
 @pytest.mark.parametrize("n_words", [1, 3, (1 << 14) - 1, 1 << 14, 2 * (1 << 14) + 5])
