@@ -230,7 +230,10 @@ GRAM_SPLIT_MIN_ROWS = 2048
 
 
 def _gram_row_spans(n, d, work):
-    """Row spans for one-thread syrks in parallel, or None where OpenBLAS's own threads are the better split."""
+    """Row spans for one-thread syrks in parallel, or None where OpenBLAS's own threads are the better split.
+
+    Only where fastls sets the BLAS threads itself (threads_for is 1 otherwise).
+    """
     if not GRAM_SPLIT_MIN_D <= d <= GRAM_SPLIT_MAX_D:
         return None
     threads = min(threads_for(work), n // GRAM_SPLIT_MIN_ROWS)
@@ -258,9 +261,14 @@ def _gram_into(G, X, mixed, block_rows):
         for k in range(1, len(spans)):
             T = recycled_array(("fastls.gram_split", k), (d, d), G.dtype)
             targets.append(T if G.flags.c_contiguous else T.T)
-        with sized_threads(0.0):  # one BLAS thread per span
+        # One BLAS thread per span, also with the size rule off (where sized_threads keeps the limit).
+        previous = _kernels.lower_blas_threads(1)
+        try:
             run_spans(lambda k: _gram_kernel(targets[k], X[spans[k][0]:spans[k][1]], mixed, block_rows),
                       list(range(len(spans))))
+        finally:
+            if previous is not None:
+                _kernels.restore_blas_threads(previous)
         for T in targets[1:]:
             _kernels.add_upper(G, T)
         return

@@ -335,3 +335,12 @@ def test_one_core_never_splits(rng, gram_calls):
     with fastls.limit_cores(1):
         fastls.gram_update(np.zeros((600, 600)), X, check_finite=False)
     assert gram_calls == [(1, 8192)]
+
+
+def test_split_grams_run_one_blas_thread_per_span_with_the_rule_off(rng, gram_calls):
+    fastls.set_flops_per_thread(0)  # the caller's limit: 2 spans of one thread, not 2 of 2
+    X = rng.standard_normal((8192, 600))
+    with fastls.limit_cores(2):
+        fastls.gram_update(np.zeros((600, 600)), X, check_finite=False)
+        assert blas_threads() == [2] * len(blas_threads())  # restored after the split
+    assert gram_calls == [(1, 4096), (1, 4096)]
