@@ -217,13 +217,13 @@ def _gram_thread_work(n, d):
 
 
 # Moderate widths split the rows instead. OpenBLAS's threaded syrk splits the
-# d x d output, and from d = 513 to 1153 its two threads ran only 1.46-1.78x
-# faster than one (float64 d = 785: 1.57-1.68x in every grid of 2026-11-27).
+# d x d output, and from d = 513 to 1153 its two threads ran only 1.42-1.85x
+# faster than one from 4,096 rows (float64 d = 785: 1.57-1.68x on 2026-11-27).
 # Each thread running a one-thread syrk on its share of the rows, all but the
-# first into a zeroed temporary added into G at the end, ran 1.82-2.07x there
-# from 2,048 rows per thread. From d = 1537 OpenBLAS's own split was as good or
-# better, and below d = 513 or 2,048 rows per thread the row split ran as often
-# 0.9x as 2x (docs/results/threads.md, "Grams split by rows").
+# first into a zeroed temporary added into G at the end, ran 1.59-2.09x there
+# (float64 d = 785: 1.81-1.94x). From d = 1537 OpenBLAS's own split was as good
+# or better, and below d = 513 or 2,048 rows per thread the row split ran as
+# often 0.9x as 2x (docs/results/threads.md, "Grams split by rows").
 GRAM_SPLIT_MIN_D = 513
 GRAM_SPLIT_MAX_D = 1153
 GRAM_SPLIT_MIN_ROWS = 2048
