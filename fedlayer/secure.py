@@ -120,13 +120,16 @@ class FixedPoint:
     def encode(self, x, name="statistics"):
         """float array -> uint64 words; raises when a value does not fit this term's share of the range."""
         x = np.asarray(x, dtype=np.float64)
-        peak = float(np.abs(x).max(initial=0.0))
+        # max and -min rather than |x|.max(): no temporary; a NaN propagates through both.
+        peak = max(float(x.max(initial=0.0)), -float(x.min(initial=0.0))) if x.size else 0.0
         if not np.isfinite(peak) or peak >= self.limit:
             raise SecureAggregationError(
                 f"{name}: largest magnitude {peak:.6g} does not fit the fixed-point range of this sum "
                 f"(|x| < {self.limit:.6g} with {self.frac_bits} fractional bits and {self.n_terms} clients); "
                 f"the value would wrap around 2^64")
-        return np.rint(x * self.scale).astype(np.int64).view(np.uint64)
+        scaled = np.multiply(x, self.scale)
+        np.rint(scaled, out=scaled)
+        return scaled.astype(np.int64).view(np.uint64)
 
     def decode(self, words):
         """uint64 words (a sum of encodings) -> float64."""
