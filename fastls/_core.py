@@ -216,68 +216,19 @@ def _gram_thread_work(n, d):
     return work if work >= GRAM_MIN_THREADED_FLOPS else 0.0
 
 
-# Moderate widths split the rows instead. OpenBLAS's threaded syrk splits the
-# d x d output, and from d = 513 to 1153 its two threads ran only 1.42-1.85x
-# faster than one from 4,096 rows (float64 d = 785: 1.57-1.68x on 2026-11-27).
-# Each thread running a one-thread syrk on its share of the rows, all but the
-# first into a zeroed temporary added into G at the end, ran 1.59-2.09x there
-# (float64 d = 785: 1.81-1.94x). From d = 1537 OpenBLAS's own split was as good
-# or better, and below d = 513 or 2,048 rows per thread the row split ran as
-# often 0.9x as 2x (docs/results/threads.md, "Grams split by rows").
-GRAM_SPLIT_MIN_D = 513
-GRAM_SPLIT_MAX_D = 1153
-GRAM_SPLIT_MIN_ROWS = 2048
-
-
-def _gram_row_spans(n, d, work):
-    """Row spans for one-thread syrks in parallel, or None where OpenBLAS's own threads are the better split.
-
-    Only where fastls sets the BLAS threads itself (threads_for is 1 otherwise).
-    """
-    if not GRAM_SPLIT_MIN_D <= d <= GRAM_SPLIT_MAX_D:
-        return None
-    threads = min(threads_for(work), n // GRAM_SPLIT_MIN_ROWS)
-    if threads < 2:
-        return None
-    bounds = [n * t // threads for t in range(threads + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-def _gram_kernel(G, X, mixed, block_rows):
-    if mixed:
-        _kernels.gram_mixed(G, *_layout(G), X, *_layout(X), block_rows, DEFAULT_TILE)
-    else:
-        _kernels.gram_same(G, *_layout(G), X, *_layout(X))
-
-
 def _gram_into(G, X, mixed, block_rows):
+    g_layout, x_layout = _layout(G), _layout(X)
     n, d = X.shape
     flops = _gram_thread_work(n, d)
-    spans = _gram_row_spans(n, d, flops) if flops else None
-    if spans is not None:
-        # The first span adds into G; the others into zeroed temporaries of G's layout
-        # (recycled: fresh pages would fault in during the products).
-        targets = [G]
-        for k in range(1, len(spans)):
-            T = recycled_array(("fastls.gram_split", k), (d, d), G.dtype)
-            targets.append(T if G.flags.c_contiguous else T.T)
-        # One BLAS thread per span, also with the size rule off (where sized_threads keeps the limit).
-        previous = _kernels.lower_blas_threads(1)
-        try:
-            run_spans(lambda k: _gram_kernel(targets[k], X[spans[k][0]:spans[k][1]], mixed, block_rows),
-                      list(range(len(spans))))
-        finally:
-            if previous is not None:
-                _kernels.restore_blas_threads(previous)
-        for T in targets[1:]:
-            _kernels.add_upper(G, T)
-        return
     work, trial = flops, None
     if flops and d < GRAM_MIN_THREADED_D:
         work, trial = narrow_gram_trials.plan((X.dtype.char, d, n.bit_length()), flops)
         start = time.perf_counter()
     with sized_threads(work):
-        _gram_kernel(G, X, mixed, block_rows)
+        if mixed:
+            _kernels.gram_mixed(G, *g_layout, X, *x_layout, block_rows, DEFAULT_TILE)
+        else:
+            _kernels.gram_same(G, *g_layout, X, *x_layout)
     if trial is not None:
         narrow_gram_trials.record(trial, time.perf_counter() - start, flops)
 
