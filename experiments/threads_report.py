@@ -13,9 +13,10 @@ by what else the machine does, so the fastest is the least disturbed.
 "chosen" is 2 threads allowed with the size rule on; its ratio to the better
 of 1 and 2 threads is the issue's measure. Cases above the target ratio are
 measured again ``--confirm`` more times (their runs pooled with the first
-ones), so a ratio the report flags is one that survived a second look. The report also fits the rule's flops per thread to these
-measurements: the value a re-measured machine should put in
-fastls.FLOPS_PER_THREAD (or FASTLS_FLOPS_PER_THREAD).
+ones), so a ratio the report flags is one that survived a second look. The
+report also fits the rule's flops per thread to these measurements: the value
+a re-measured machine should put in fastls.FLOPS_PER_THREAD (or
+FASTLS_FLOPS_PER_THREAD).
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ class FixedPoint:
         """float array -> uint64 words; raises when a value does not fit this term's share of the range."""
         x = np.asarray(x, dtype=np.float64)
         # max and -min rather than |x|.max(): no temporary; a NaN propagates through both.
-        peak = max(float(x.max(initial=0.0)), -float(x.min(initial=0.0))) if x.size else 0.0
+        peak = max(float(x.max(initial=0.0)), -float(x.min(initial=0.0)))
         if not np.isfinite(peak) or peak >= self.limit:
             raise SecureAggregationError(
                 f"{name}: largest magnitude {peak:.6g} does not fit the fixed-point range of this sum "
