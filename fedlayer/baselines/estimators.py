@@ -38,7 +38,10 @@ def zo_sphere_gradient(f, w, b2, mu, rng, f0=None):
     g = np.zeros(d)
     for _ in range(int(b2)):
         v = rng.standard_normal(d)
-        v /= np.linalg.norm(v)
+        # Not np.linalg.norm: its dot runs on NumPy's BLAS, whose threads then
+        # fight the model's products on SciPy's (fastls.matmul) for the cores.
+        # On MNIST's DNN under 2 cores that made a FedZO round 5x slower.
+        v /= np.sqrt(np.einsum("i,i->", v, v))
         g += (f(w + mu * v) - f0) * v
     g *= d / (b2 * mu)
     return g
