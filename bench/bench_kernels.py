@@ -16,6 +16,7 @@ from cases import (
     ACTIVATION_MAPS,
     CONV_LAYERS,
     FORWARD_CONVS,
+    GCV_SIZES,
     GRAM_SHAPES,
     PROXIMAL_CASES,
     SOLVE_SIZES,
@@ -24,6 +25,8 @@ from cases import (
     conv_stats,
     conv_zeros,
     forward_inputs,
+    gcv_choice,
+    gcv_problem,
     gram_fastls,
     gram_scipy,
     proximal_dual,
@@ -39,7 +42,7 @@ from numeric_checks import assert_close
 # Arguments whose cases come from a table of cases.py: full size with
 # --benchmark-enable, small size when the test suite runs the cases once.
 CASE_TABLES = {"shape": GRAM_SHAPES, "layer": CONV_LAYERS, "problem": PROXIMAL_CASES, "d": SOLVE_SIZES,
-               "maps": ACTIVATION_MAPS, "conv": FORWARD_CONVS}
+               "maps": ACTIVATION_MAPS, "conv": FORWARD_CONVS, "gcv_d": GCV_SIZES}
 
 
 def pytest_generate_tests(metafunc):
@@ -157,3 +160,14 @@ def test_solve(benchmark, d, solver, dtype):
         W = _run(benchmark, fastls.proximal_solve, G, C, 2500.0, M)
         residual = fastls.symmetrize(G.astype(np.float64)) @ W + 2500.0 * (W - M) - C
     assert np.abs(residual).max() < (1e-2 if dtype == "float32" else 1e-8) * np.abs(C).max() * d
+
+
+@pytest.mark.parametrize("method", ["band", "eigh"])
+def test_gcv_choice(benchmark, gcv_d, method):
+    """gamma by GCV plus its solve: G reduced to a band (gemm) against one eigendecomposition."""
+    G, C, zz, n = gcv_problem(gcv_d)
+    benchmark.group = f"gcv d={gcv_d}"
+    gamma, W = _run(benchmark, gcv_choice, G, C, zz, n, method)
+    assert_close(W, fastls.ridge_solve(G, C, gamma), np.float64, rtol=1e-9)
+    if gcv_d <= 2048:  # the other route's choice, where it costs seconds at most
+        assert gamma == pytest.approx(gcv_choice(G, C, zz, n, "eigh" if method == "band" else "band")[0], rel=1e-4)

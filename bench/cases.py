@@ -147,6 +147,26 @@ def spd_system(d, dtype, seed=0):
     return G, rng.standard_normal((d, 10)).astype(dtype), rng.standard_normal((d, 10)).astype(dtype)
 
 
+# Widths of a server's GCV choice of gamma (--gamma auto): the DCNN's layers 2 to 4 at full width;
+# d = 18433 (eigh: about 11 min) only in the report's --gcv-wide run.
+GCV_SIZES = {"full": [2048, 4609, 9217], "small": [40]}
+GCV_TARGETS = 40  # X^T Y's coordinates at the DCNN's fourth convolution: 10 classes x 2 x 2 positions
+
+
+def gcv_problem(d, seed=0):
+    """(G, C, tr(Z^T Z), n) for a GCV choice at width d: spd_system's G (cheap to build), float64."""
+    G, _, _ = spd_system(d, np.float64, seed)
+    C = np.random.default_rng(seed + 1).standard_normal((d, GCV_TARGETS))
+    return G, C, float(d) * GCV_TARGETS, 8 * d
+
+
+def gcv_choice(G, C, zz, n, method):
+    """gamma by GCV and the weights solved with it, as the server's --gamma auto does; G is left alone."""
+    path = fastls.RidgePath.from_statistics(G.copy(), C, zz, n, method=method, overwrite_g=True)
+    gamma, _, _ = path.select("gcv")
+    return gamma, path.solve(gamma)
+
+
 # The thread grid (issue: threads chosen by problem size): every kernel kind at
 # d x rows, 1 or 2 BLAS threads or the size rule's choice within a limit of 2.
 THREAD_GRID = {"full": {"d": [16, 33, 65, 129, 257, 513, 785, 1153, 2305, 4609],

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from cases import (  # noqa: E402
     CONV_LAYERS,
     FORWARD_CONVS,
+    GCV_SIZES,
     GRAM_SHAPES,
     PROXIMAL_CASES,
     SOLVE_SIZES,
@@ -36,6 +37,8 @@ from cases import (  # noqa: E402
     conv_zeros,
     forward_flops,
     forward_inputs,
+    gcv_choice,
+    gcv_problem,
     gram_fastls,
     gram_flops,
     gram_scipy,
@@ -157,16 +160,45 @@ def solve_table(repeat):
     return rows
 
 
+def gcv_table(sizes):
+    """Server's GCV choice of gamma plus its solve, band route against eigh; one run each (eigh takes minutes)."""
+    rows = ["| d | eigh s | band s | band speed-up | gamma, eigh | gamma, band | band reduction GFLOP/s (4/3 d^3) |",
+            "|---|---|---|---|---|---|---|"]
+    for d in sizes:
+        G, C, zz, n = gcv_problem(d)
+        t, chosen = {}, {}
+        for method in ("band", "eigh"):
+            start = time.perf_counter()
+            chosen[method] = gcv_choice(G, C, zz, n, method)[0]
+            t[method] = time.perf_counter() - start
+        start = time.perf_counter()
+        fastls.RidgePath.from_statistics(G.copy(), C, zz, n, method="band", overwrite_g=True)
+        reduction = time.perf_counter() - start
+        rows.append(f"| {d} | {t['eigh']:.2f} | {t['band']:.2f} | {t['eigh'] / t['band']:.1f}x | "
+                    f"{chosen['eigh']:.6g} | {chosen['band']:.6g} | {4 / 3 * d ** 3 / reduction / 1e9:.0f} |")
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", help="also write the report to this file")
+    parser.add_argument("--gcv-wide", action="store_true",
+                        help="add d = 18433 to the GCV table (its eigendecomposition alone takes about 11 min)")
+    parser.add_argument("--only-gcv", action="store_true", help="only the GCV table")
     args = parser.parse_args()
     blas = ", ".join(f"{i['internal_api']} {i['version']} ({i['num_threads']} threads, {i['architecture']})"
                      for i in fastls.blas_info())
     lines = [f"Machine: {platform.machine()}, {fastls.available_cores()} cores, Python {platform.python_version()}, "
              f"NumPy {np.__version__}; BLAS: {blas}; float32 gemm (4096^3) at the start: "
              f"{gemm_rate() / 1e9:.0f} GFLOP/s", ""]
+    gcv_sizes = GCV_SIZES["full"] + ([18433] if args.gcv_wide else [])
+    gcv_lines = ["", "### GCV choice of gamma from summed statistics (`RidgePath.from_statistics`, then select "
+                 "and solve): G reduced to a band of 64 against one eigendecomposition; one run each", ""]
+    gcv_lines += gcv_table(gcv_sizes)
+    if args.only_gcv:
+        emit_report(lines + gcv_lines, args.out)
+        return 0
     lines += ["### Gram update (G += X^T X), fastls with its finiteness check against SciPy's syrk", ""]
     lines += gram_table(args.repeat)
     conv_rows, rates = conv_table(args.repeat)
@@ -188,6 +220,7 @@ def main():
     lines += ["", "### Proximal solve: primal (G, then Cholesky of d x d) against dual (Cholesky of n x n)", ""]
     lines += proximal_table(args.repeat)
     lines += ["", "### Ridge solve", ""] + solve_table(args.repeat)
+    lines += gcv_lines
     emit_report(lines, args.out)
     return 0
 

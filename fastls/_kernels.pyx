@@ -10,10 +10,10 @@ matrix BLAS sees at the same address.
 
 from cython cimport floating
 from libc.string cimport memcpy, memset
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, calloc, free
 
-from scipy.linalg.cython_blas cimport ssyrk, dsyrk, sgemm, dgemm, strsm, dtrsm
-from scipy.linalg.cython_lapack cimport spotrf, dpotrf, spotrs, dpotrs
+from scipy.linalg.cython_blas cimport ssyrk, dsyrk, sgemm, dgemm, strsm, dtrsm, dtrmm, dsymm
+from scipy.linalg.cython_lapack cimport spotrf, dpotrf, spotrs, dpotrs, dgeqrf, dlarft
 
 
 # ---------------------------------------------------------------------------
@@ -738,6 +738,199 @@ def add_upper(floating[:, :] G, const floating[:, :] T):
             for j in range(d):
                 for i in range(j + 1):
                     G[i, j] += T[i, j]
+
+
+# ---------------------------------------------------------------------------
+# Reduction of a symmetric matrix to a band (for ridge paths at large d)
+# ---------------------------------------------------------------------------
+
+cdef inline void _trmm(char side, char transa, int m, int n, double *t, int ldt,
+                       double *b, int ldb) noexcept nogil:
+    """B := op(T) B (side L) or B op(T) (side R), T upper triangular with a non-unit diagonal."""
+    cdef char uplo = c'U', diag = c'N'
+    cdef double one = 1.0
+    dtrmm(&side, &uplo, &transa, &diag, &m, &n, &one, t, &ldt, b, &ldb)
+
+
+cdef void _reflect_rows(double *v, int ldv, double *t, int ldt, int rows, int width,
+                        double *b, int ldb, int cols, double *scratch, bint transposed) noexcept nogil:
+    """B := (I - V T V^T) B, or its transpose (I - V T^T V^T) B; B is rows x cols, scratch width x cols."""
+    if cols == 0 or rows == 0:
+        return
+    # scratch = V^T B; scratch = op(T) scratch; B -= V scratch
+    _gemm(c'T', c'N', width, cols, rows, <double>1.0, v, ldv, b, ldb, <double>0.0, scratch, width)
+    _trmm(c'L', c'T' if transposed else c'N', width, cols, t, ldt, scratch, width)
+    _gemm(c'N', c'N', rows, cols, width, <double>-1.0, v, ldv, scratch, width, <double>1.0, b, ldb)
+
+
+cdef void _explicit_v(const double *a, Py_ssize_t lda, int m, int kk, double *v, Py_ssize_t ldv) noexcept nogil:
+    """V (m x kk) of a QR's reflectors, stored below R's diagonal at a, with its unit diagonal and zeros above."""
+    cdef Py_ssize_t i, j
+    for j in range(kk):
+        for i in range(j):
+            v[i + j * ldv] = 0.0
+        v[j + j * ldv] = 1.0
+        for i in range(j + 1, m):
+            v[i + j * ldv] = a[i + j * lda]
+
+
+# Rows or columns of the lower triangle per product in band_reduce.
+cdef int _BAND_PANEL = 1024
+
+
+cdef void _lower_symm(double *a, int lda, int m, double *v, int ldv, int k, double *out, int ldo) noexcept nogil:
+    """out := A V for symmetric m x m A stored in its lower triangle, by row panels (each entry read once)."""
+    cdef int r0 = 0, h
+    cdef char left = c'L', lower = c'L'
+    cdef double one = 1.0, zero = 0.0
+    cdef Py_ssize_t la = lda
+    while r0 < m:
+        h = min(_BAND_PANEL, m - r0)
+        # Diagonal block, then the stored rows left of it, then the stored columns below it (transposed).
+        dsymm(&left, &lower, &h, &k, &one, a + r0 + r0 * la, &lda, v + r0, &ldv, &zero, out + r0, &ldo)
+        if r0 > 0:
+            _gemm(c'N', c'N', h, k, r0, <double>1.0, a + r0, lda, v, ldv, <double>1.0, out + r0, ldo)
+        if r0 + h < m:
+            _gemm(c'T', c'N', h, k, m - r0 - h, <double>1.0, a + (r0 + h) + r0 * la, lda, v + r0 + h, ldv,
+                  <double>1.0, out + r0, ldo)
+        r0 += h
+
+
+def band_reduce(double[::1, :] A, int band, double[:, :, ::1] T, double[::1, :] W):
+    """A := Q^T A Q banded (bandwidth ``band``), W := Q^T W; Q's reflectors kept below the band.
+
+    A is symmetric, read and written in its lower triangle only (Fortran
+    order; the strict upper triangle is scratch). Panel p of ``band``
+    columns k = p band ... is reduced by a QR of its rows below the band,
+    A[k+band:, k:k+band] = (I - V T V^T) R, and the trailing matrix A22
+    takes the two-sided update H^T A22 H = A22 - V Y^T - Y V^T with
+    X = A22 V T and Y = X - V (T^T V^T X) / 2. On return the lower band of
+    A (offsets 0..band) holds the band matrix, V sits below it (unit
+    diagonal implied, LAPACK's QR storage) and T[p] (Fortran band x band)
+    holds panel p's triangular factor. The products run by panels of
+    _BAND_PANEL rows or columns of the lower triangle, as gemm (symm on
+    diagonal blocks): 4/3 d^3 flops in all, each panel reading A22's
+    triangle twice, against a tridiagonalization whose symv half (d^3 / 3
+    flops) reads the whole trailing matrix once per column.
+    """
+    cdef int n = A.shape[0], lda = A.shape[0], ncols = W.shape[1], ldw = W.shape[0]
+    cdef int k, i0, m, pb, kk, info = 0, lwork = max(1, band * 64)
+    cdef int j, c0, w
+    cdef Py_ssize_t ld = lda, ldp = n
+    cdef double *tau
+    cdef double *work
+    cdef double *pair     # n x 2 band: [V | Y]
+    cdef double *swap     # n x 2 band: [Y | V]
+    cdef double *small    # band x max(band, ncols)
+    cdef double *t
+    cdef double *v
+    cdef double *y
+    cdef int p = 0, ldt = band
+    cdef char forward = c'F', columnwise = c'C'
+    if n < 2 or band < 1 or band >= n - 1:
+        return 0
+    tau = <double *>malloc(band * sizeof(double))
+    work = <double *>malloc(lwork * sizeof(double))
+    pair = <double *>malloc(n * 2 * band * sizeof(double))
+    swap = <double *>malloc(n * 2 * band * sizeof(double))
+    small = <double *>malloc(band * max(band, ncols) * sizeof(double))
+    if tau == NULL or work == NULL or pair == NULL or swap == NULL or small == NULL:
+        free(tau); free(work); free(pair); free(swap); free(small)
+        raise MemoryError("band_reduce: no memory for its panel buffers")
+    with nogil:
+        k = 0
+        while k + band < n - 1:
+            i0 = k + band
+            m = n - i0
+            pb = band
+            kk = min(m, pb)
+            dgeqrf(&m, &pb, &A[i0, k], &lda, tau, work, &lwork, &info)
+            t = &T[p, 0, 0]
+            dlarft(&forward, &columnwise, &m, &kk, &A[i0, k], &lda, tau, t, &ldt)
+            # V explicit (unit diagonal, zeros above) in pair[:, :kk] and swap[:, kk:2kk].
+            v = pair
+            _explicit_v(&A[i0, k], ld, m, kk, v, ldp)
+            # X = A22 V (into pair[:, kk:2kk]), then X T.
+            y = pair + kk * ldp
+            _lower_symm(&A[i0, i0], lda, m, v, n, kk, y, n)
+            _trmm(c'R', c'N', m, kk, t, ldt, y, n)
+            # small = T^T (V^T X); Y = X - V small / 2.
+            _gemm(c'T', c'N', kk, kk, m, <double>1.0, v, n, y, n, <double>0.0, small, kk)
+            _trmm(c'L', c'T', kk, kk, t, ldt, small, kk)
+            _gemm(c'N', c'N', m, kk, kk, <double>-0.5, v, n, small, kk, <double>1.0, y, n)
+            for j in range(kk):
+                memcpy(swap + j * ldp, y + j * ldp, m * sizeof(double))
+                memcpy(swap + (kk + j) * ldp, v + j * ldp, m * sizeof(double))
+            # A22 -= [V Y] [Y V]^T = V Y^T + Y V^T, on the lower triangle by column panels.
+            c0 = 0
+            while c0 < m:
+                w = min(_BAND_PANEL, m - c0)
+                _gemm(c'N', c'T', m - c0, w, 2 * kk, <double>-1.0, pair + c0, n, swap + c0, n, <double>1.0,
+                      &A[i0 + c0, i0 + c0], lda)
+                c0 += w
+            if ncols > 0:
+                _reflect_rows(v, n, t, ldt, m, kk, &W[i0, 0], ldw, ncols, small, True)
+            k += band
+            p += 1
+    free(tau); free(work); free(pair); free(swap); free(small)
+    return p
+
+
+def band_apply_q(const double[::1, :] A, int band, const double[:, :, ::1] T, int panels, double[::1, :] S):
+    """S := Q S for the Q of :func:`band_reduce` (its reflectors in A, factors in T)."""
+    cdef int n = A.shape[0], ncols = S.shape[1], lds = S.shape[0], ldt = band
+    cdef int p, k, i0, m, kk
+    cdef Py_ssize_t ldp = n
+    cdef double *v
+    cdef double *small
+    if panels == 0 or ncols == 0:
+        return
+    v = <double *>malloc(n * band * sizeof(double))
+    small = <double *>malloc(band * ncols * sizeof(double))
+    if v == NULL or small == NULL:
+        free(v); free(small)
+        raise MemoryError("band_apply_q: no memory for its panel buffers")
+    with nogil:
+        for p in range(panels - 1, -1, -1):
+            k = p * band
+            i0 = k + band
+            m = n - i0
+            kk = min(m, band)
+            _explicit_v(&A[i0, k], n, m, kk, v, ldp)
+            _reflect_rows(v, n, <double *>&T[p, 0, 0], ldt, m, kk, &S[i0, 0], lds, ncols, small, False)
+    free(v); free(small)
+
+
+def banded_inverse_trace(const double[:, :] factor):
+    """trace((L L^T)^-1) for a lower band Cholesky factor, LAPACK band storage (factor[t, i] = L[i + t, i]).
+
+    Takahashi's recurrence gives the entries of the inverse inside the band,
+    Sigma_ij = (delta_ij / L_ii - sum_{k > i} L_ki Sigma_kj) / L_ii for j >= i,
+    from the last row up: O(d band^2), without forming the dense inverse.
+    """
+    cdef Py_ssize_t b = factor.shape[0] - 1, n = factor.shape[1]
+    cdef Py_ssize_t i, j, k, hi
+    cdef double acc, lii, trace = 0.0
+    # sigma[i * (b + 1) + t] = Sigma[i + t, i]
+    cdef double *sigma = <double *>calloc(n * (b + 1), sizeof(double))
+    if sigma == NULL:
+        raise MemoryError("banded_inverse_trace: no memory for the band of the inverse")
+    with nogil:
+        for i in range(n - 1, -1, -1):
+            lii = factor[0, i]
+            hi = min(i + b, n - 1)
+            for j in range(hi, i - 1, -1):
+                acc = 1.0 / lii if j == i else 0.0
+                for k in range(i + 1, hi + 1):
+                    # Sigma[k, j], both above i and within b of each other.
+                    if k >= j:
+                        acc -= factor[k - i, i] * sigma[j * (b + 1) + k - j]
+                    else:
+                        acc -= factor[k - i, i] * sigma[k * (b + 1) + j - k]
+                sigma[i * (b + 1) + j - i] = acc / lii
+            trace += sigma[i * (b + 1)]
+    free(sigma)
+    return trace
 
 
 # ---------------------------------------------------------------------------

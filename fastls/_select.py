@@ -4,6 +4,13 @@ With G = X^T X = V diag(lambda) V^T and B = V^T X^T R, the ridge solution
 for any shift a is W(a) = V diag(1 / (lambda + a)) B, and the criteria below
 are sums over the d eigenpairs: O(d k) per shift once the factorization is
 known (k columns of B).
+
+For large d from statistics alone, the eigendecomposition's reduction to a
+tridiagonal matrix runs half at memory speed (d^3 / 3 symv flops); instead G
+is reduced to a band, G = Q B Q^T, by gemm only, and each shift is one banded
+Cholesky of B + a I: RSS from (B + a I)^-1 Q^T X^T R and the degrees of
+freedom from the trace of the banded inverse (Takahashi's recurrence), both
+O(d band^2 + d band k) per shift.
 """
 
 from __future__ import annotations
@@ -12,8 +19,10 @@ import numpy as np
 import scipy.linalg
 import scipy.optimize
 
+from . import _kernels
 from ._core import (_basis_coordinates, _check_array, _check_finite, _check_finite_upper, _check_system, gram_update,
                     matmul, symmetrize)
+from ._threads import sized_threads
 
 __all__ = ["RidgePath", "DEFAULT_GRID"]
 
@@ -22,6 +31,11 @@ __all__ = ["RidgePath", "DEFAULT_GRID"]
 DEFAULT_GRID = np.geomspace(1e-9, 1e3, 25)
 
 _CRITERIA = ("gcv", "loo", "loo_class")
+_METHODS = ("auto", "eigh", "band")
+#: 'auto' reduces G to a band from this d on (below, one eigendecomposition is faster).
+BAND_MIN_DIMENSION = 2048
+#: Bandwidth of the band route: its panels are gemm of this many columns (2x it in the update).
+DEFAULT_BAND = 64
 # Fitted values held at once by the vectorized leave-one-out (8 MB of float64).
 _LOO_BATCH_VALUES = 1 << 20
 # The refinement stops within 1 % of the minimizing shift: the criteria are flat there.
@@ -63,7 +77,8 @@ class RidgePath:
 
     # -- construction --------------------------------------------------------
     @classmethod
-    def from_statistics(cls, G, C, zz, n, *, center=None, rhs_basis=None, overwrite_g=False):
+    def from_statistics(cls, G, C, zz, n, *, center=None, rhs_basis=None, overwrite_g=False, method="auto",
+                        band=DEFAULT_BAND):
         """The path from summed statistics: GCV only.
 
         Parameters
@@ -83,12 +98,25 @@ class RidgePath:
             squared norms are taken in the metric Q Q^T, so every criterion
             equals the one on the m columns.
         overwrite_g : bool, default=False
-            Let the eigendecomposition destroy G.
+            Let the factorization destroy G.
+        method : {'auto', 'eigh', 'band'}, default='auto'
+            'eigh': one eigendecomposition (O(d k) per shift after it).
+            'band': G reduced to a band by gemm, then a banded Cholesky per
+            shift (module docstring); its ``eigenvalues`` is None. 7x
+            faster than 'eigh' at d = 18,433; shifts so small that G + a I
+            does not factor in float64 score inf there. 'auto': 'band' from
+            ``BAND_MIN_DIMENSION`` on.
+        band : int, default=64
+            Bandwidth of the band route.
 
         Returns
         -------
         RidgePath
         """
+        if method not in _METHODS:
+            raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+        if isinstance(band, bool) or not isinstance(band, (int, np.integer)) or band < 1:
+            raise ValueError(f"band must be an int >= 1, got {band!r}")
         G = _check_system(G, C)
         _check_finite_upper(G)
         _check_finite("C", C)
@@ -96,15 +124,20 @@ class RidgePath:
         n = _check_rows(n)
         C64 = np.asarray(C, dtype=np.float64)
         G64 = np.asarray(G, dtype=np.float64)
+        banded = method == "band" or (method == "auto" and G.shape[0] >= BAND_MIN_DIMENSION)
+        # The band route works on both triangles of a float64 copy, or of G itself when allowed.
+        full = _full_symmetric(G64, inplace=overwrite_g or G64 is not G) if banded else None
         if center is not None:
             M = _check_center(center, C.shape)
             # R = Z - X M: X^T R = C - G M, tr(R^T R) = tr(Z^T Z) - 2 tr(M^T C) + tr(M^T G M).
-            GM = _dot(symmetrize(G64), M)
+            GM = _dot(symmetrize(G64) if full is None else full, M)
             zz = zz - 2.0 * float(np.vdot(M, C64)) + float(np.vdot(M, GM))
             C64 = C64 - GM
         else:
             M = None
         C64, basis, M = _in_basis(C64, M, rhs_basis)
+        if banded:
+            return _BandPath(full, C64, max(zz, 0.0), n, M, basis, int(band))
         evals, V = scipy.linalg.eigh(G64, lower=False, overwrite_a=overwrite_g and G64 is G, check_finite=False,
                                      driver="evd")
         evals = np.maximum(evals, 0.0)
@@ -325,6 +358,110 @@ class RidgePath:
         if self._basis is not None:
             W = _dot(W, self._basis)
         return np.asfortranarray(W)
+
+
+class _BandPath(RidgePath):
+    """A RidgePath from statistics on the band route: G = Q B Q^T, one banded Cholesky per shift.
+
+    ``eigenvalues`` is None; the criteria and :meth:`solve` are those of
+    RidgePath (equal to its eigendecomposition route up to rounding), each
+    shift factoring B + a I once (cached).
+    """
+
+    def __init__(self, full, C, residual_ss, n, center, basis, band):
+        d = full.shape[0]
+        band = min(band, max(d - 1, 1))
+        self.eigenvalues = None
+        self.n = n
+        self._rss0 = residual_ss
+        self._center, self._basis = center, basis
+        self._metric = None if basis is None else _dot(basis, basis.T)
+        self._U = None
+        self._trace = float(np.trace(full))
+        panels = max(0, -(-(d - band - 1) // band))
+        self._factors = np.zeros((max(panels, 1), band, band))
+        W = np.array(C, dtype=np.float64, order="F")  # never the caller's C: reduced in place
+        # Q^T G Q (4/3 d^3 flops, nearly all gemm) and Q^T C.
+        with sized_threads(4.0 / 3.0 * d ** 3):
+            done = _kernels.band_reduce(full, band, self._factors, W)
+        self._reduced, self._band, self._panels = full, band, done
+        # LAPACK's lower band storage: entry [t, i] is B[i + t, i].
+        self._lower = np.zeros((band + 1, d))
+        for t in range(band + 1):
+            self._lower[t, :d - t] = np.diagonal(full, -t)
+        self._W = W
+        self._WS = W if self._metric is None else _dot(W, self._metric)
+        self._at = {}
+
+    def _factor(self, a):
+        """Cholesky factor of B + a I in band storage, or None where it does not factor."""
+        shifted = self._lower.copy(order="F")
+        shifted[0] += a
+        factor, info = scipy.linalg.lapack.dpbtrf(shifted, lower=1, overwrite_ab=1)
+        return factor if info == 0 else None
+
+    def _terms(self, a):
+        """(fit, trace((G + a I)^-1)), fit = sum_j ||B_j||^2 (lambda_j + 2 a) / (lambda_j + a)^2 (NaN: no factor)."""
+        if a not in self._at:
+            factor = self._factor(a)
+            if factor is None:
+                self._at[a] = (np.nan, np.nan)
+            else:
+                S, _ = scipy.linalg.lapack.dpbtrs(factor, self._W, lower=1)
+                SS = S if self._metric is None else _dot(S, self._metric)
+                # tr(W^T (B + aI)^-1 W) + a ||(B + aI)^-1 W||^2 in the target metric; einsum, not NumPy's BLAS.
+                fit = float(np.einsum("ij,ij->", self._WS, S)) + a * float(np.einsum("ij,ij->", SS, S))
+                self._at[a] = (fit, _kernels.banded_inverse_trace(factor))
+        return self._at[a]
+
+    def residual_ss(self, shifts):
+        """As :meth:`RidgePath.residual_ss` (NaN where G + a I does not factor)."""
+        fit = np.array([self._terms(a)[0] for a in _shifts(shifts)])
+        return np.maximum(self._rss0 - fit, 0.0)
+
+    def dof(self, shifts):
+        """Effective degrees of freedom d - a trace((G + a I)^-1), per shift (NaN where it does not factor)."""
+        a = _shifts(shifts)
+        return self._lower.shape[1] - a * np.array([self._terms(value)[1] for value in a])
+
+    def default_grid(self):
+        """:data:`DEFAULT_GRID` times the mean eigenvalue trace(G) / d (times 1 when G is 0)."""
+        scale = self._trace / self._lower.shape[1]
+        return DEFAULT_GRID * (scale if scale > 0 else 1.0)
+
+    def solve(self, shift):
+        """W(a) = Q (B + a I)^-1 Q^T C, plus the center when there is one (as :meth:`RidgePath.solve`)."""
+        a = float(_shifts([shift])[0])
+        factor = self._factor(a)
+        if factor is None:
+            raise np.linalg.LinAlgError(f"G + {a:g} I is not positive definite in float64: take a larger shift")
+        S, _ = scipy.linalg.lapack.dpbtrs(factor, self._W, lower=1)
+        S = np.asfortranarray(S)
+        _kernels.band_apply_q(self._reduced, self._band, self._factors, self._panels, S)
+        W = S if self._center is None else S + self._center
+        if self._basis is not None:
+            W = _dot(W, self._basis)
+        return np.asfortranarray(W)
+
+
+def _full_symmetric(G, inplace):
+    """Both triangles of a symmetric matrix from G's upper one, as a Fortran-ordered array (block copies)."""
+    if not inplace or not (G.flags.f_contiguous or G.flags.c_contiguous):
+        G = np.array(G, order="F")
+    # A C-ordered G is the transpose of a Fortran matrix whose lower triangle holds G's upper one.
+    F, upper_valid = (G, True) if G.flags.f_contiguous else (G.T, False)
+    d, step = F.shape[0], 512
+    for j0 in range(0, d, step):
+        j1 = min(j0 + step, d)
+        block = F[j0:j1, j0:j1]
+        if upper_valid:
+            F[j1:, j0:j1] = F[j0:j1, j1:].T
+            low = np.tril_indices(j1 - j0, -1)
+        else:
+            F[j0:j1, j1:] = F[j1:, j0:j1].T
+            low = np.triu_indices(j1 - j0, 1)
+        block[low] = block.T[low]
+    return F
 
 
 def _thin_svd(X):

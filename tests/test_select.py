@@ -5,7 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import scipy.linalg
+
 import fastls
+from fastls import _kernels
 from numeric_checks import assert_close
 
 SHIFTS = [1e-3, 0.3, 7.0, 250.0]
@@ -44,14 +47,19 @@ def from_statistics(X, Z, **kwargs):
     return fastls.RidgePath.from_statistics(X.T @ X, X.T @ Z, float((Z ** 2).sum()), X.shape[0], **kwargs)
 
 
+# The statistics' two routes: one eigendecomposition, or a band of 4 (3 panels at d = 12 and 15).
+ROUTES = [{"method": "eigh"}, {"method": "band", "band": 4}]
+
+
 @pytest.mark.parametrize("n, d", [(40, 12), (9, 15)])
 @pytest.mark.parametrize("centered", [False, True])
-def test_criteria_equal_brute_force_refits(n, d, centered):
+@pytest.mark.parametrize("route", ROUTES, ids=["eigh", "band"])
+def test_criteria_equal_brute_force_refits(n, d, centered, route):
     rng = np.random.default_rng(n * 100 + d + centered)
     X, Z = problem(rng, n, d)
     M = rng.standard_normal((d, Z.shape[1])) if centered else None
     rows = fastls.RidgePath.from_rows(X, Z, center=M)
-    stats = from_statistics(X, Z, center=M)
+    stats = from_statistics(X, Z, center=M, **route)
     reference = np.array([explicit(X, Z, a, M) for a in SHIFTS])
     for path, shifts in ((rows, SHIFTS), (stats, SHIFTS if n > d else SHIFTS[1:])):
         # From statistics alone an RSS far below tr(Z^T Z) (n < d, a -> 0 interpolates)
@@ -75,7 +83,8 @@ def test_centered_solution_is_the_proximal_solve():
 
 
 @pytest.mark.parametrize("centered", [False, True])
-def test_basis_coordinates_give_the_same_path(centered):
+@pytest.mark.parametrize("route", ROUTES, ids=["eigh", "band"])
+def test_basis_coordinates_give_the_same_path(centered, route):
     rng = np.random.default_rng(4)
     n, d, k, m = 50, 10, 3, 8
     X = rng.standard_normal((n, d))
@@ -83,7 +92,7 @@ def test_basis_coordinates_give_the_same_path(centered):
     Q = rng.standard_normal((k, m))
     M = rng.standard_normal((d, k)) @ Q if centered else None
     plain = from_statistics(X, Y @ Q, center=M)
-    in_basis = from_statistics(X, Y @ Q, center=M, rhs_basis=Q)
+    in_basis = from_statistics(X, Y @ Q, center=M, rhs_basis=Q, **route)
     rows = fastls.RidgePath.from_rows(X, Y, center=M, rhs_basis=Q)
     full_rows = fastls.RidgePath.from_rows(X, Y @ Q, center=M)
     for path in (in_basis, rows):
@@ -108,6 +117,8 @@ def test_selected_shift_does_not_depend_on_the_partition(seed, parts, data):
     whole, _, _ = from_statistics(X, Z).select()
     summed, _, _ = fastls.RidgePath.from_statistics(G, C, zz, n).select()
     assert summed == pytest.approx(whole, rel=1e-6)
+    banded, _, _ = fastls.RidgePath.from_statistics(G, C, zz, n, method="band", band=3).select()
+    assert banded == pytest.approx(whole, rel=1e-6)
 
 
 def test_select_finds_the_grid_minimum_and_refines_it():
@@ -184,3 +195,106 @@ def test_loo_class_errors_equal_explicit_refits(with_basis):
         path.select("loo_class")
     with pytest.raises(ValueError, match="labels must be 30 integer classes"):
         path.loo_errors([1.0], labels[:-1])
+
+
+# -- the band route ---------------------------------------------------------
+
+def band_matrix(A, band):
+    """The symmetric band matrix held in the lower band of a band_reduce'd A."""
+    d = A.shape[0]
+    B = np.zeros((d, d))
+    for t in range(min(band, d - 1) + 1):
+        B += np.diag(np.diagonal(A, -t), -t)
+        if t:
+            B += np.diag(np.diagonal(A, -t), t)
+    return B
+
+
+@pytest.mark.parametrize("d, band", [(2, 1), (9, 8), (10, 3), (57, 8), (1100, 16)])
+def test_band_reduction_is_an_orthogonal_similarity(d, band):
+    """Q^T G Q is the band left in A, Q is orthogonal, W became Q^T W (fresh SPD G, float64)."""
+    rng = np.random.default_rng(d + band)
+    X = rng.standard_normal((d + 30, d))
+    G = X.T @ X
+    W = rng.standard_normal((d, 5))
+    A, W_reduced = np.asfortranarray(G), np.asfortranarray(W)
+    panels = max(0, -(-(d - band - 1) // band))
+    factors = np.zeros((max(panels, 1), band, band))
+    assert _kernels.band_reduce(A, band, factors, W_reduced) == panels
+    Q = np.asfortranarray(np.eye(d))
+    _kernels.band_apply_q(A, band, factors, panels, Q)
+    scale = np.abs(G).max()
+    assert np.abs(Q.T @ Q - np.eye(d)).max() <= 1e-12 * d
+    B = band_matrix(A, band)
+    assert np.abs(Q.T @ G @ Q - B).max() <= 1e-12 * d * scale
+    assert np.abs(Q.T @ W - W_reduced).max() <= 1e-12 * d * np.abs(W).max()
+    np.testing.assert_allclose(np.linalg.eigvalsh(B), np.linalg.eigvalsh(G), rtol=0, atol=1e-12 * d * scale)
+
+
+@pytest.mark.parametrize("d, band", [(1, 1), (7, 2), (40, 5), (300, 32)])
+def test_banded_inverse_trace_equals_the_dense_inverse(d, band):
+    rng = np.random.default_rng(d * band)
+    X = rng.standard_normal((d + 5, d))
+    B = band_matrix(X.T @ X, band) + 0.5 * d * np.eye(d)  # banded, diagonally dominant enough to be SPD
+    lower = np.zeros((band + 1, d))
+    for t in range(band + 1):
+        lower[t, :d - t] = np.diagonal(B, -t)
+    factor, info = scipy.linalg.lapack.dpbtrf(lower, lower=1)
+    assert info == 0
+    assert _kernels.banded_inverse_trace(factor) == pytest.approx(np.trace(np.linalg.inv(B)), rel=1e-12)
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_band_route_equals_the_eigendecomposition(order, dtype):
+    """Same GCV curve, choice and solution; G and C are left alone unless G may be overwritten."""
+    rng = np.random.default_rng(11)
+    X, Z = problem(rng, n=400, d=90, m=6, noise=2.0)
+    X, Z = X.astype(dtype), Z.astype(dtype)
+    G = np.array(np.triu(X.T @ X), order=order)
+    C = np.array(X.T @ Z, order=order)
+    zz = float((Z.astype(np.float64) ** 2).sum())
+    G_before, C_before = G.copy(), C.copy()
+    eigh = fastls.RidgePath.from_statistics(G, C, zz, 400, method="eigh")
+    band = fastls.RidgePath.from_statistics(G, C, zz, 400, method="band", band=7)
+    np.testing.assert_array_equal(G, G_before)
+    np.testing.assert_array_equal(C, C_before)
+    assert band.eigenvalues is None
+    grid = eigh.default_grid()
+    np.testing.assert_allclose(band.default_grid(), grid, rtol=1e-12)
+    useful = grid >= 1e-6 * grid[-1]  # G + a I factors in float64 far below that
+    np.testing.assert_allclose(band.gcv(grid[useful]), eigh.gcv(grid[useful]), rtol=1e-9)
+    np.testing.assert_allclose(band.dof(grid[useful]), eigh.dof(grid[useful]), rtol=1e-9)
+    chosen_eigh, _, _ = eigh.select()
+    chosen_band, _, _ = band.select()
+    assert chosen_band == pytest.approx(chosen_eigh, rel=1e-4)
+    assert_close(band.solve(chosen_eigh), eigh.solve(chosen_eigh), np.float64, rtol=1e-9)
+
+
+def test_band_route_takes_over_from_its_dimension_and_may_destroy_g(monkeypatch):
+    rng = np.random.default_rng(12)
+    X, Z = problem(rng, n=100, d=20)
+    G, C, zz = X.T @ X, X.T @ Z, float((Z ** 2).sum())
+    assert fastls.RidgePath.from_statistics(G, C, zz, 100).eigenvalues is not None
+    monkeypatch.setattr(fastls._select, "BAND_MIN_DIMENSION", 20)
+    G_work = G.copy()
+    path = fastls.RidgePath.from_statistics(G_work, C, zz, 100, overwrite_g=True, band=4)
+    assert path.eigenvalues is None
+    assert not np.array_equal(G_work, G)  # reduced in place: no second d x d copy
+    assert_close(path.solve(3.0), refit(X, Z, 3.0), np.float64, rtol=1e-10)
+
+
+def test_band_route_refuses_bad_input_and_scores_unfactorable_shifts_inf():
+    rng = np.random.default_rng(13)
+    X, Z = problem(rng, n=60, d=10)
+    G, C = X.T @ X, X.T @ Z
+    with pytest.raises(ValueError, match="method must be one of"):
+        fastls.RidgePath.from_statistics(G, C, 1.0, 60, method="svd")
+    with pytest.raises(ValueError, match="band must be an int >= 1"):
+        fastls.RidgePath.from_statistics(G, C, 1.0, 60, method="band", band=0)
+    # Not a Gram matrix: G + a I is indefinite for small shifts.
+    indefinite = G - 2.0 * np.linalg.eigvalsh(G)[-1] * np.eye(10)
+    path = fastls.RidgePath.from_statistics(indefinite, C, 1.0, 60, method="band", band=3)
+    assert np.isinf(path.gcv([1.0])[0])
+    with pytest.raises(np.linalg.LinAlgError, match="is not positive definite in float64: take a larger shift"):
+        path.solve(1.0)
