@@ -341,12 +341,18 @@ def run(config: RunConfig, transport=None, progress=None, dataset=None):
 
 
 def _write(out, results, files):
-    """``results.json`` and the algorithm's files, each written whole or not at all."""
-    for name, write in files.items():
-        path = out / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write(path)
+    """``results.json``, then the algorithm's files, each written whole or not at all.
+
+    The record goes first: a model that cannot be written (a disk filled by a
+    hundred personalized full-width models) still raises, but the run's
+    measurements are on disk by then.
+    """
+    out.mkdir(parents=True, exist_ok=True)
     tmp = out / "results.json.tmp"
     with open(tmp, "w") as f:
         json.dump(results, f, indent=1)
     os.replace(tmp, out / "results.json")
+    for name, write in files.items():
+        path = out / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(path)

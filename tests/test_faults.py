@@ -239,3 +239,17 @@ def test_group_and_personalized_models_recompute_the_run_accuracy(tmp_path, caps
     status, err = fedlayer(["predict", str(out / "model_group0.npz"), "--clients", "20"], capsys)
     assert status == 2
     assert "model_group0.npz was trained for" in err and "omit --clients" in err
+
+
+def test_a_model_file_that_cannot_be_written_loses_no_measurements(tmp_path):
+    """results.json is written before the models: a full disk at the end keeps the run's record."""
+    from fedlayer.run import _write
+
+    def full_disk(path):
+        raise OSError(28, "No space left on device", str(path))
+
+    results = {"accuracy": [0.5, 0.8], "wall_s": 1234.5}
+    with pytest.raises(OSError, match="No space left on device"):
+        _write(tmp_path / "run", results, {"personalized/client_0.npz": full_disk})
+    assert json.loads((tmp_path / "run" / "results.json").read_text()) == results
+    assert not (tmp_path / "run" / "results.json.tmp").exists()
