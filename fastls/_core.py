@@ -367,8 +367,14 @@ def symmetrize(G, *, inplace=False):
     if G.ndim != 2 or G.shape[0] != G.shape[1]:
         raise ValueError(f"G must be a square matrix, got shape {G.shape}")
     out = G if inplace else G.copy()
-    lower = np.tril_indices(G.shape[0], -1)
-    out[lower] = out.T[lower]
+    # By blocks of 512 columns: index arrays of the whole lower triangle would take 8 d^2 bytes.
+    d, step = out.shape[0], 512
+    for j0 in range(0, d, step):
+        j1 = min(j0 + step, d)
+        out[j1:, j0:j1] = out[j0:j1, j1:].T
+        block = out[j0:j1, j0:j1]
+        lower = np.tril_indices(j1 - j0, -1)
+        block[lower] = block.T[lower]
     return out
 
 

@@ -445,23 +445,12 @@ class _BandPath(RidgePath):
 
 
 def _full_symmetric(G, inplace):
-    """Both triangles of a symmetric matrix from G's upper one, as a Fortran-ordered array (block copies)."""
+    """Both triangles from G's upper one (:func:`symmetrize`), Fortran-ordered: G itself when allowed."""
     if not inplace or not (G.flags.f_contiguous or G.flags.c_contiguous):
         G = np.array(G, order="F")
-    # A C-ordered G is the transpose of a Fortran matrix whose lower triangle holds G's upper one.
-    F, upper_valid = (G, True) if G.flags.f_contiguous else (G.T, False)
-    d, step = F.shape[0], 512
-    for j0 in range(0, d, step):
-        j1 = min(j0 + step, d)
-        block = F[j0:j1, j0:j1]
-        if upper_valid:
-            F[j1:, j0:j1] = F[j0:j1, j1:].T
-            low = np.tril_indices(j1 - j0, -1)
-        else:
-            F[j0:j1, j1:] = F[j1:, j0:j1].T
-            low = np.triu_indices(j1 - j0, 1)
-        block[low] = block.T[low]
-    return F
+    symmetrize(G, inplace=True)
+    # Symmetric now, so a C-ordered G's transpose is the same matrix in Fortran order.
+    return G if G.flags.f_contiguous else G.T
 
 
 def _thin_svd(X):

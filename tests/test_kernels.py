@@ -140,8 +140,10 @@ def test_mixed_gram_across_transpose_blocks(rng, monkeypatch, out_order, d, tile
     np.testing.assert_array_equal(np.tril(G, -1), 0)
 
 
-def test_symmetrize(rng):
-    A = rng.standard_normal((6, 6))
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("d", [6, 512, 1100])  # one block, exactly one, three (blocks of 512 columns)
+def test_symmetrize(rng, order, d):
+    A = np.array(rng.standard_normal((d, d)), order=order)
     full = fastls.symmetrize(A)
     np.testing.assert_array_equal(full, np.triu(A) + np.triu(A, 1).T)
     fastls.symmetrize(A, inplace=True)
