@@ -82,3 +82,30 @@ def test_round_server_solve(benchmark, clients, layer):
     W = _timed(benchmark, fastls.ridge_solve, G=G, C=C, gamma=GAMMA)
     full = fastls.symmetrize(G)
     assert_close(full @ W + GAMMA * W, C, np.float64, rtol=1e-8)
+
+
+@pytest.mark.parametrize("cores", [1, 2])
+def test_round_secure_masks(benchmark, full_size, cores):
+    # --secure's extra work on round 1's upload: G's packed triangle and C's coordinates at the DNN's first
+    # layer (d = 785), encoded in fixed point and masked by 15 AES-CTR keystreams (14 neighbours, the self mask).
+    from fedlayer.secure import FixedPoint, _add_masks, keystream_words
+
+    d = N_FEATURES + 1 if full_size else 40
+    rng = np.random.default_rng(1)
+    pieces = [rng.standard_normal(d * N_CLASSES), rng.standard_normal(d * (d + 1) // 2) * 1e3]
+    offsets = [0, pieces[0].size]
+    pairs = [(bytes(rng.integers(0, 256, 16, dtype=np.uint8)), 1 if i % 2 else -1) for i in range(15)]
+    code = FixedPoint(30, 100)
+    flat = np.empty(sum(p.size for p in pieces), dtype=np.uint64)
+    benchmark.group = "secure masks, round 1"
+
+    def masked():
+        with fastls.limit_cores(cores):
+            return _add_masks(flat, pairs, list(zip(offsets, pieces)), code, checked=True)
+
+    _timed(benchmark, masked)
+    expected = np.concatenate([code.encode(p) for p in pieces])
+    for key, sign in pairs:
+        stream = keystream_words(key, flat.size)
+        expected = expected + stream if sign > 0 else expected - stream
+    np.testing.assert_array_equal(flat, expected)

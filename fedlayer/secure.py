@@ -39,6 +39,7 @@ the server); the server side is :class:`SecureServer`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import math
@@ -120,16 +121,34 @@ class FixedPoint:
     def encode(self, x, name="statistics"):
         """float array -> uint64 words; raises when a value does not fit this term's share of the range."""
         x = np.asarray(x, dtype=np.float64)
+        words = np.empty(x.shape, dtype=np.uint64)
+        self.encode_into(x.reshape(-1), words.reshape(-1), name=name)
+        return words
+
+    def fits(self, exponent):
+        """Whether every value below 2^exponent in magnitude encodes without wrapping (with rounding's room)."""
+        return 2.0 ** (exponent + 1) <= self.limit
+
+    def encode_into(self, x, out, scratch=None, name="statistics", checked=False):
+        """out[:] = the words of float64 ``x`` (1-D, same length); ``scratch``: a float64 buffer at least as long.
+
+        The range is checked on the scaled values (the scale is a power of two,
+        so scaling is exact): a NaN, an Inf or a value at or beyond the limit
+        raises before ``out`` is written. ``checked``: the caller has shown
+        that ``x`` fits (:meth:`fits` of its scanned exponent); no scan.
+        """
+        scaled = np.multiply(x, self.scale, out=None if scratch is None else scratch[:x.size])
+        np.rint(scaled, out=scaled)
         # max and -min rather than |x|.max(): no temporary; a NaN propagates through both.
-        peak = max(float(x.max(initial=0.0)), -float(x.min(initial=0.0)))
-        if not np.isfinite(peak) or peak >= self.limit:
+        peak = 0.0 if checked else max(float(scaled.max(initial=0.0)), -float(scaled.min(initial=0.0)))
+        if not np.isfinite(peak) or peak >= self.limit * self.scale:
+            peak = max(float(x.max(initial=0.0)), -float(x.min(initial=0.0)))
             raise SecureAggregationError(
                 f"{name}: largest magnitude {peak:.6g} does not fit the fixed-point range of this sum "
                 f"(|x| < {self.limit:.6g} with {self.frac_bits} fractional bits and {self.n_terms} clients); "
                 f"the value would wrap around 2^64")
-        scaled = np.multiply(x, self.scale)
-        np.rint(scaled, out=scaled)
-        return scaled.astype(np.int64).view(np.uint64)
+        np.copyto(out.view(np.int64), scaled, casting="unsafe")
+        return out
 
     def decode(self, words):
         """uint64 words (a sum of encodings) -> float64."""
@@ -157,7 +176,9 @@ def fraction_bits(exponents, n_terms, spare_bits=1):
 
 def magnitude_exponent(arrays):
     """Smallest e with every |value| < 2^e over ``arrays`` (what a client declares for the scale)."""
-    peak = max((float(np.abs(a).max(initial=0.0)) for a in arrays), default=0.0)
+    # max and -min rather than |a|.max(): no temporary; a NaN propagates through both.
+    peak = max((max(float(a.max(initial=0.0)), -float(a.min(initial=0.0))) for a in map(np.asarray, arrays)),
+               default=0.0)
     if not np.isfinite(peak):
         raise SecureAggregationError("statistics hold NaN or Inf; they cannot be encoded")
     return int(math.floor(math.log2(peak))) + 1 if peak > 0 else 0
@@ -261,37 +282,77 @@ def keystream_words(key, n_words):
     return np.frombuffer(_keystream(key).update(bytes(8 * n_words)), dtype=np.uint64)  # zeros in: the keystream out
 
 
-def _keystream(key):
-    """An AES-CTR encryptor under ``key`` (16 or 32 bytes), counter from 0: encrypting zeros yields the keystream."""
+def _keystream(key, first_block=0):
+    """An AES-CTR encryptor under ``key`` (16 or 32 bytes), its counter at block ``first_block``: encrypting zeros yields the keystream."""
     crypto = _crypto()
-    return crypto.Cipher(crypto.algorithms.AES(key), crypto.modes.CTR(b"\0" * 16)).encryptor()
+    return crypto.Cipher(crypto.algorithms.AES(key), crypto.modes.CTR(first_block.to_bytes(16, "big"))).encryptor()
 
 
-_CHUNK_WORDS = 1 << 14  # 128 KiB: a chunk of the sum and of one keystream stay in cache together
+_CHUNK_WORDS = 1 << 15  # 256 KiB: a chunk of the sum and of one keystream stay in L2 together
 _ZEROS = bytes(8 * _CHUNK_WORDS)
+# Below this many words one thread masks the whole vector: starting a second costs more than its share.
+_PARALLEL_WORDS = 4 * _CHUNK_WORDS
 
 
-def _add_masks(flat, key_sign_pairs):
-    """flat += sum of sign * PRG(key) over the pairs, in Z_2^64 (in place).
+def _add_masks(flat, key_sign_pairs, sources=(), code=None, checked=False):
+    """flat += sum of sign * PRG(key) over the pairs, in Z_2^64 (in place); returns ``flat``.
+
+    With ``sources``, (offset, 1-D float64 array) pieces that tile ``flat``, and
+    ``code`` (:class:`FixedPoint`), flat is first set to ``code``'s encoding of
+    the pieces in the same pass (``checked``: their range is known to fit, skip
+    the scan).
 
     The same words as adding each :func:`keystream_words` in turn, chunk by
     chunk: every keystream is written into one reused buffer and added while
     the chunk of ``flat`` is still in cache, instead of streaming ``flat`` and
-    a fresh keystream through memory once per pair.
+    a fresh keystream through memory once per pair. Large vectors are split
+    into spans of whole chunks, one per thread the caller's core limit allows
+    (``fastls.threads_for``); each span's encryptors start at the span's
+    counter block, and AES-CTR and NumPy's additions release the GIL.
     """
-    streams = [(_keystream(key), sign > 0) for key, sign in key_sign_pairs]
-    buffer = bytearray(8 * _CHUNK_WORDS + 15)  # update_into wants room for a block beyond the data
+    from fastls import threads_for
+
+    n_words = flat.size
+    n_chunks = -(-n_words // _CHUNK_WORDS)
+    threads = 1 if n_words < _PARALLEL_WORDS else min(threads_for(8.0 * n_words * len(key_sign_pairs)), n_chunks)
+    cuts = [_CHUNK_WORDS * (n_chunks * i // threads) for i in range(threads)] + [n_words]
     zeros = memoryview(_ZEROS)
-    for start in range(0, flat.size, _CHUNK_WORDS):
-        part = flat[start:start + _CHUNK_WORDS]
-        for encryptor, add in streams:
-            encryptor.update_into(zeros[:8 * part.size], buffer)
-            words = np.frombuffer(buffer, dtype=np.uint64, count=part.size)
-            if add:
-                part += words
-            else:
-                part -= words
+
+    def mask_span(span):
+        lo, hi = span
+        # A chunk is a whole number of 16-byte blocks, so a span starts on a block.
+        streams = [(_keystream(key, lo // 2), sign > 0) for key, sign in key_sign_pairs]
+        buffer = bytearray(8 * _CHUNK_WORDS + 15)  # update_into wants room for a block beyond the data
+        scratch = np.empty(_CHUNK_WORDS) if sources else None
+        for start in range(lo, hi, _CHUNK_WORDS):
+            stop = min(start + _CHUNK_WORDS, hi)
+            part = flat[start:stop]
+            for offset, piece in sources:  # the pieces under this chunk, encoded in place
+                a, b = max(offset, start), min(offset + piece.size, stop)
+                if a < b:
+                    code.encode_into(piece[a - offset:b - offset], flat[a:b], scratch, checked=checked)
+            for encryptor, add in streams:
+                encryptor.update_into(zeros[:8 * part.size], buffer)
+                words = np.frombuffer(buffer, dtype=np.uint64, count=part.size)
+                if add:
+                    part += words
+                else:
+                    part -= words
+
+    spans = list(zip(cuts[:-1], cuts[1:]))
+    if threads == 1:
+        mask_span(spans[0])
+    else:
+        list(_mask_pool().map(mask_span, spans))  # list(): re-raises a span's error here
     return flat
+
+
+@functools.lru_cache(maxsize=None)
+def _mask_pool():
+    """Threads for the masks' spans, started once per process (a start costs about as much as a chunk)."""
+    from fastls import available_cores
+
+    return concurrent.futures.ThreadPoolExecutor(max(2, available_cores()), thread_name_prefix="fedlayer-masks")
 
 
 def _layout(shapes):
@@ -395,19 +456,38 @@ class SecureClientState:
         self._self_masks[context] = secrets.token_bytes(_KEY_BYTES)
         return self._encrypted_shares(self._self_masks[context], "self", context)
 
-    def mask(self, context, words_by_key, members):
-        """The encoded entries plus the self mask and the pairwise masks with the neighbours in ``members``."""
-        shapes = {key: np.shape(w) for key, w in words_by_key.items()}
+    def mask(self, context, entries, members, code=None, exponent=None):
+        """The encoded entries plus the self mask and the pairwise masks with the neighbours in ``members``.
+
+        ``entries``: key -> uint64 words, or, with ``code`` (a :class:`FixedPoint`),
+        key -> float arrays that are encoded in the masking pass (raises
+        :class:`SecureAggregationError` naming the entry that does not fit).
+        ``exponent``: the one this client scanned and declared for these
+        entries (:func:`magnitude_exponent`); when ``code`` fits it, the
+        encoding skips its own range scan.
+        """
+        shapes = {key: np.shape(w) for key, w in entries.items()}
         offsets, n_words = _layout(shapes)
         flat = np.empty(n_words, dtype=np.uint64)
+        sources = []
         for key, (a, b) in offsets.items():
-            flat[a:b] = np.asarray(words_by_key[key], dtype=np.uint64).reshape(-1)
+            if code is None:
+                flat[a:b] = np.asarray(entries[key], dtype=np.uint64).reshape(-1)
+            else:
+                sources.append((a, np.asarray(entries[key], dtype=np.float64).reshape(-1)))
+        checked = code is not None and exponent is not None and code.fits(exponent)
         pairs = [(_mask_key(self._self_masks.pop(context), b"self mask", context), +1)]
         members = set(members)
         for other in self.neighbours:
             if other in members:
                 pairs.append((_mask_key(self._shared(other), b"mask", context), +1 if other > self.cid else -1))
-        _add_masks(flat, pairs)
+        try:
+            _add_masks(flat, pairs, sources, code, checked)
+        except SecureAggregationError:
+            for key, (a, b) in offsets.items():  # name the entry that does not fit
+                code.encode_into(np.asarray(entries[key], dtype=np.float64).reshape(-1), flat[a:b],
+                                 name=f"client {self.cid} {key}")
+            raise
         return {key: flat[a:b].reshape(shapes[key]) for key, (a, b) in offsets.items()}
 
     def reveal(self, context, dropped, survivors):

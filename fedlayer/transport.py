@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
+from scipy.linalg import lapack
 
 import fastls
 
@@ -63,6 +64,10 @@ class Sum:
 def pack_upper(G):
     """Upper triangle of square ``G`` row by row, as a contiguous 1-D array of d(d+1)/2 values."""
     d = G.shape[0]
+    if G.flags.c_contiguous and G.dtype in (np.float64, np.float32) and d > 0:
+        # Row by row of G's upper triangle is LAPACK's packed lower triangle of G^T (F-ordered, no copy).
+        packed, _ = (lapack.dtrttp if G.dtype == np.float64 else lapack.strttp)(G.T, uplo="L")
+        return packed
     out = np.empty(d * (d + 1) // 2, dtype=G.dtype)
     offset = 0
     for i in range(d):

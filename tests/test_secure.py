@@ -141,19 +141,79 @@ def test_mask_keys_are_aes128_keys_per_purpose_and_sum():
     assert key == _mask_key(secret, b"mask", (1, 0))
 
 
-@pytest.mark.parametrize("n_words", [1, 3, (1 << 14) - 1, 1 << 14, 2 * (1 << 14) + 5])
-def test_masks_are_added_chunk_by_chunk_as_whole_keystreams(rng, n_words):
+CHUNK = 1 << 15  # fedlayer.secure._CHUNK_WORDS
+
+
+@pytest.mark.parametrize("cores", [1, 2])
+@pytest.mark.parametrize("n_words", [1, 3, CHUNK - 1, CHUNK, 4 * CHUNK, 5 * CHUNK + 5])
+def test_masks_are_added_chunk_by_chunk_as_whole_keystreams(rng, n_words, cores):
+    # From 4 chunks on, 2 cores split the vector into spans whose keystreams start mid-stream.
+    import fastls
     from fedlayer.secure import _add_masks
 
     flat = rng.integers(0, 2**63, n_words, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-    pairs = [(bytes(rng.integers(0, 256, 32, dtype=np.uint8)), sign) for sign in (+1, -1, -1, +1)]
+    pairs = [(bytes(rng.integers(0, 256, 16, dtype=np.uint8)), sign) for sign in (+1, -1, -1, +1)]
     expected = flat.copy()
     for key, sign in pairs:
         if sign > 0:
             expected += keystream_words(key, n_words)
         else:
             expected -= keystream_words(key, n_words)
-    np.testing.assert_array_equal(_add_masks(flat, pairs), expected)
+    with fastls.limit_cores(cores):
+        np.testing.assert_array_equal(_add_masks(flat, pairs), expected)
+
+
+@pytest.mark.parametrize("checked", [False, True])
+@pytest.mark.parametrize("sizes", [(7,), (CHUNK - 3, 10), (5, 3 * CHUNK + 1, 2 * CHUNK)])
+def test_masks_encode_their_pieces_in_the_same_pass(rng, sizes, checked):
+    import fastls
+    from fedlayer.secure import _add_masks
+
+    code = FixedPoint(30, 50)
+    pieces = [rng.standard_normal(n) * 100.0 for n in sizes]
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
+    pairs = [(bytes(rng.integers(0, 256, 16, dtype=np.uint8)), sign) for sign in (+1, -1, +1)]
+    expected = np.concatenate([code.encode(p) for p in pieces])
+    for key, sign in pairs:
+        if sign > 0:
+            expected += keystream_words(key, expected.size)
+        else:
+            expected -= keystream_words(key, expected.size)
+    flat = np.empty(sum(sizes), dtype=np.uint64)
+    with fastls.limit_cores(2):
+        _add_masks(flat, pairs, list(zip(offsets, pieces)), code, checked)
+    np.testing.assert_array_equal(flat, expected)
+
+
+def test_a_value_that_does_not_fit_is_named_by_its_entry_and_nothing_is_returned(rng):
+    states, server = _setup(list(range(4)))
+    states[0].new_self_mask((0, 0))
+    code = FixedPoint(40, 4)
+    entries = {"C": rng.standard_normal((3, 2)), "G": rng.standard_normal(2 * CHUNK)}
+    entries["G"][CHUNK + 7] = np.nan
+    with pytest.raises(SecureAggregationError, match=r"client 0 G: largest magnitude nan does not fit"):
+        states[0].mask((0, 0), entries, range(4), code=code)
+
+
+def test_a_declared_exponent_that_fits_skips_the_scan_and_one_that_does_not_is_refused():
+    code = FixedPoint(fraction_bits([12], 100), 100)
+    assert code.fits(12)
+    assert not code.fits(70)
+    # the scan still runs when the exponent does not vouch for the values
+    with pytest.raises(SecureAggregationError, match="largest magnitude"):
+        code.encode_into(np.array([2.0 ** 60]), np.empty(1, dtype=np.uint64))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("d", [1, 7, 300])
+def test_upper_triangle_packs_row_by_row(rng, dtype, order, d):
+    # LAPACK's trttp on C-ordered G, a loop otherwise: the same order either way
+    G = np.asarray(rng.standard_normal((d, d)), dtype=dtype, order=order)
+    expected = np.concatenate([G[i, i:] for i in range(d)])
+    packed = pack_upper(G)
+    assert packed.dtype == dtype
+    np.testing.assert_array_equal(packed, expected)
 
 
 def test_packed_upper_triangle_round_trips(rng):
