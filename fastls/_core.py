@@ -572,7 +572,8 @@ class ConvStats:
       channels x channels matrix each, :attr:`state_bytes`) across calls and
       added into G's blocks by :meth:`finish`, so small batches do not pay
       a pass over G each; :meth:`finish` writes each block once from all the
-      products feeding it, blocks split over the allowed threads. The
+      products feeding it, reading each product once, lines of the blocks
+      split over the allowed threads. The
       products' memory is reused by the next ConvStats of the same shape
       (:func:`fastls.recycled_array`).
 
@@ -931,19 +932,18 @@ def _assembly_plan(kh, kw, out_h, out_w):
 
 
 def _assemble_blocks(acc, pending, plan, G):
-    """G's blocks += the pending per-group products (threads over disjoint blocks), then restart the groups."""
+    """G's blocks += the pending per-group products (threads over disjoint lines), then restart the groups."""
     keys, starts, members = plan
-    n_blocks = len(keys)
     channels = acc.shape[1]
-    # Memory-bound adds; threads_for keeps within the caller's core limit.
-    threads = min(threads_for(2.0 * len(members) * channels * channels), n_blocks)
-    bounds = np.searchsorted(starts, np.linspace(0, starts[-1], threads + 1)).tolist()
-    bounds[0], bounds[-1] = 0, n_blocks
+    # Memory-bound adds; threads_for keeps within the caller's core limit. Threads take
+    # disjoint lines of every block.
+    threads = min(threads_for(2.0 * len(members) * channels * channels), channels)
+    bounds = np.linspace(0, channels, threads + 1).astype(int).tolist()
     ranges = [(first, stop) for first, stop in zip(bounds[:-1], bounds[1:]) if stop > first]
     mixed = G.dtype != acc.dtype
 
-    def assemble(block_range):
-        _kernels.overlap_assemble(acc, pending, keys, starts, members, G, *_layout(G), mixed, *block_range)
+    def assemble(line_range):
+        _kernels.overlap_assemble(acc, pending, keys, starts, members, G, *_layout(G), mixed, *line_range)
 
     run_spans(assemble, ranges)
     pending[:] = 0
@@ -986,14 +986,19 @@ def conv_stats_method(image_shape, kernel_size, *, stride=1, padding=0, per_imag
 
 # Cost of one element of G read and written by a pass over it, in multiply-adds of
 # a float32 gemm: memory-bound, so it is the ratio of the machine's gemm rate to
-# its memory speed. Fitted on 2026-11-27 (AVX-512 VM, float32 gemm 310 GFLOP/s;
-# bench/README.md, "Run 5") from the fixed and per-image times of both methods on
-# 16-450 images of the DCNN's three 3x3 maps: the overlap's finish writes each
-# block of G once and reads each group product (float32, a quarter of the bytes)
-# once per block it feeds (16 images of 4x4x2048: 0.70 s over their products).
-# The earlier value, 100, came from a Haswell VM whose gemm ran at half the speed
-# with the same memory.
-FOLD_COST_IN_MACS = 340
+# its memory speed. The overlap's finish writes each block of G once and reads
+# each group product (float32, a quarter of the bytes) once. Refitted on
+# 2026-11-28 (AVX-512 VM, float32 gemm 346 GFLOP/s; bench/README.md, "Run 11")
+# to the measured crossovers of the two methods on the DCNN's three 3x3 maps:
+# about 4.5 / 27 / 62 images per finish on 14x14x512 / 6x6x1024 / 4x4x2048,
+# which 550 / 444 / 385 would place exactly; 400 places them at 2 / 19 / 78,
+# where the method it picks loses at most about 10 % between its crossover and
+# the measured one (at 19-26 images of 6x6x1024). It also absorbs what the
+# multiply-add counts leave out: the overlap's products on few images are thin
+# (64-256 rows against a C x C output) and run below the gemm rate. The value
+# before, 340, was fitted to a finish that read each product once per block it
+# fed; 100 before that, on a Haswell VM whose gemm ran at half the speed.
+FOLD_COST_IN_MACS = 400
 # A pass of im2col's float32-into-float64 path over G also writes and reads the
 # float32 tile of the product: about 1.5 times the bytes of a plain pass.
 IM2COL_PASS_COST_IN_MACS = 520
@@ -1011,8 +1016,8 @@ def _pick_conv_method(method, image_shape, kernel_size, stride, padding, per_ima
         )
     if method == "auto":
         if usable and images:
-            # Per finish, the overlap writes each block of G once from the
-            # products feeding it; im2col passes over G once per block of
+            # Per finish, the overlap writes each block of G once and reads each
+            # group product once; im2col passes over G once per block of
             # DEFAULT_BLOCK_ROWS rows.
             kh, kw = _pair("kernel_size", kernel_size)
             out_h, out_w = conv_output_shape(image_shape[:2], kernel_size, stride, padding)
@@ -1020,7 +1025,8 @@ def _pick_conv_method(method, image_shape, kernel_size, stride, padding, per_ima
             keys, _, feeders = _assembly_plan(kh, kw, out_h, out_w)
             d = kh * kw * channels
             passes = -(-images * out_h * out_w // DEFAULT_BLOCK_ROWS)
-            overlap_macs += FOLD_COST_IN_MACS * (len(keys) + len(feeders) / 4) * channels ** 2 / images
+            products = len(set(feeders.tolist()))
+            overlap_macs += FOLD_COST_IN_MACS * (len(keys) + products / 4) * channels ** 2 / images
             im2col_macs += IM2COL_PASS_COST_IN_MACS * passes * d * d / 2 / images
         # With the passes over G counted, the cheaper one wins; without them,
         # the overlap must save a margin that covers its one pass.

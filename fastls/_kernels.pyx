@@ -1272,31 +1272,30 @@ def overlap_accumulate(floating[:, :, ::1] acc, Py_ssize_t[::1] pending,
 def overlap_assemble(const floating[:, :, ::1] acc, const Py_ssize_t[::1] pending,
                      const int[:, ::1] block_keys, const int[::1] block_start,
                      const int[::1] block_groups, object G_out, bint g_rowmajor,
-                     int ldg, bint mixed, Py_ssize_t first, Py_ssize_t stop):
-    """G's blocks first..stop-1 += the products of their groups that hold pending rows.
+                     int ldg, bint mixed, Py_ssize_t first_line, Py_ssize_t stop_line):
+    """Lines first_line..stop_line-1 of every block of G += the products of their groups that hold pending rows.
 
     ``block_keys`` rows (a, b) name each block of G once; its groups are
     ``block_groups[block_start[k]:block_start[k + 1]]``, in increasing order,
     so every element of G receives the same additions in the same order as
-    group-by-group folding, while each row of G is read and written once
-    however many groups feed it. Disjoint block ranges may run in parallel
-    threads. The caller restarts the groups (pending 0) afterwards.
+    group-by-group folding. Line by line across all the blocks: line i of
+    every product is read from memory once, however many blocks it feeds, and
+    line i of every block (a few hundred KiB) stays in cache while all its
+    groups are added. Disjoint line ranges may run in parallel threads. The
+    caller restarts the groups (pending 0) afterwards.
     """
-    cdef Py_ssize_t c = acc.shape[1], k, i, p, g, r0, c0
-    cdef bint diagonal
+    cdef Py_ssize_t c = acc.shape[1], n_blocks = block_keys.shape[0], k, i, p, g
     cdef floating *G = NULL
     cdef double *G64 = NULL
     _pointers(G_out, mixed, &G, &G64)
     with nogil:
-        for k in range(first, stop):
-            r0, c0 = block_keys[k, 0] * c, block_keys[k, 1] * c
-            diagonal = r0 == c0
-            # Line by line, all the groups feeding the block: the line of G stays in cache.
-            for i in range(c):
+        for i in range(first_line, stop_line):
+            for k in range(n_blocks):
                 for p in range(block_start[k], block_start[k + 1]):
                     g = block_groups[p]
                     if pending[g] > 0:
-                        _add_block_row(&acc[g, i, 0], g_rowmajor, c, G, G64, ldg, r0, c0, i, diagonal)
+                        _add_block_row(&acc[g, i, 0], g_rowmajor, c, G, G64, ldg, block_keys[k, 0] * c,
+                                       block_keys[k, 1] * c, i, block_keys[k, 0] == block_keys[k, 1])
 
 
 # ---------------------------------------------------------------------------
