@@ -278,6 +278,8 @@ def render(report, args):
         "(target <= 1e-9).",
         f"Key setup, once per run: {m['setup_bytes']:,} bytes (public keys and encrypted key shares).",
         "",
+        "Discussion of these figures, and what is still open: [secure_sums_notes.md](secure_sums_notes.md).",
+        "",
         "## Growth with clients (Synthetic-DNN)",
         "",
         "| clients | extra compute per client and round (s) | / log2 N | bytes up per client and round, plain -> secure "
