@@ -141,7 +141,7 @@ def test_mask_keys_are_aes128_keys_per_purpose_and_sum():
     assert key == _mask_key(secret, b"mask", (1, 0))
 
 
-CHUNK = 1 << 15  # fedlayer.secure._CHUNK_WORDS
+from fedlayer.secure import _CHUNK_WORDS as CHUNK  # noqa: E402  (the masks' chunk, in words)
 
 
 @pytest.mark.parametrize("cores", [1, 2])
