@@ -8,6 +8,7 @@ import pytest
 from fedlayer.client import Client
 from fedlayer.federated import VARIANTS, merge_small_groups, run_protocol
 from fedlayer.secure import (
+    _CHUNK_WORDS,
     FixedPoint,
     SecureAggregationError,
     SecureClientState,
@@ -141,7 +142,7 @@ def test_mask_keys_are_aes128_keys_per_purpose_and_sum():
     assert key == _mask_key(secret, b"mask", (1, 0))
 
 
-from fedlayer.secure import _CHUNK_WORDS as CHUNK  # noqa: E402  (the masks' chunk, in words)
+CHUNK = _CHUNK_WORDS  # the masks' chunk, in words
 
 
 @pytest.mark.parametrize("cores", [1, 2])
