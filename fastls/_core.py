@@ -1022,11 +1022,11 @@ def _pick_conv_method(method, image_shape, kernel_size, stride, padding, per_ima
             kh, kw = _pair("kernel_size", kernel_size)
             out_h, out_w = conv_output_shape(image_shape[:2], kernel_size, stride, padding)
             channels = image_shape[2]
-            keys, _, feeders = _assembly_plan(kh, kw, out_h, out_w)
+            keys = _assembly_plan(kh, kw, out_h, out_w)[0]
+            groups = _overlap_plan(kh, kw, out_h, out_w)[0]  # one product per group, each feeding some block
             d = kh * kw * channels
             passes = -(-images * out_h * out_w // DEFAULT_BLOCK_ROWS)
-            products = len(set(feeders.tolist()))
-            overlap_macs += FOLD_COST_IN_MACS * (len(keys) + products / 4) * channels ** 2 / images
+            overlap_macs += FOLD_COST_IN_MACS * (len(keys) + len(groups) / 4) * channels ** 2 / images
             im2col_macs += IM2COL_PASS_COST_IN_MACS * passes * d * d / 2 / images
         # With the passes over G counted, the cheaper one wins; without them,
         # the overlap must save a margin that covers its one pass.

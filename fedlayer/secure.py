@@ -139,10 +139,9 @@ class FixedPoint:
         """
         scaled = np.multiply(x, self.scale, out=None if scratch is None else scratch[:x.size])
         np.rint(scaled, out=scaled)
-        # max and -min rather than |x|.max(): no temporary; a NaN propagates through both.
-        peak = 0.0 if checked else max(float(scaled.max(initial=0.0)), -float(scaled.min(initial=0.0)))
+        peak = 0.0 if checked else _peak(scaled)
         if not np.isfinite(peak) or peak >= self.limit * self.scale:
-            peak = max(float(x.max(initial=0.0)), -float(x.min(initial=0.0)))
+            peak = _peak(x)
             raise SecureAggregationError(
                 f"{name}: largest magnitude {peak:.6g} does not fit the fixed-point range of this sum "
                 f"(|x| < {self.limit:.6g} with {self.frac_bits} fractional bits and {self.n_terms} clients); "
@@ -157,6 +156,14 @@ class FixedPoint:
     def error_bound(self):
         """Largest |decoded sum - true sum| per entry: half a unit in the last place per term."""
         return self.n_terms * 0.5 / self.scale
+
+
+def _peak(a):
+    """Largest |value| of ``a`` (0 when empty), NaN when it holds one.
+
+    max and -min rather than |a|.max(): no temporary; a NaN propagates through both.
+    """
+    return max(float(a.max(initial=0.0)), -float(a.min(initial=0.0)))
 
 
 def fraction_bits(exponents, n_terms, spare_bits=1):
@@ -176,9 +183,7 @@ def fraction_bits(exponents, n_terms, spare_bits=1):
 
 def magnitude_exponent(arrays):
     """Smallest e with every |value| < 2^e over ``arrays`` (what a client declares for the scale)."""
-    # max and -min rather than |a|.max(): no temporary; a NaN propagates through both.
-    peak = max((max(float(a.max(initial=0.0)), -float(a.min(initial=0.0))) for a in map(np.asarray, arrays)),
-               default=0.0)
+    peak = max((_peak(np.asarray(a)) for a in arrays), default=0.0)
     if not np.isfinite(peak):
         raise SecureAggregationError("statistics hold NaN or Inf; they cannot be encoded")
     return int(math.floor(math.log2(peak))) + 1 if peak > 0 else 0
