@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import functools
 import numbers
+import threading
 import time
 import warnings
+import weakref
 
 import numpy as np
 import scipy.linalg
@@ -578,7 +580,9 @@ class ConvStats:
       products feeding it, reading each product once, lines of the blocks
       split over the allowed threads. The
       products' memory is reused by the next ConvStats of the same shape
-      (:func:`fastls.recycled_array`).
+      (:func:`fastls.recycled_array`); :meth:`finish` leaves them zeroed,
+      so that one's first products accumulate into them instead of BLAS
+      zeroing them first.
 
     Parameters
     ----------
@@ -674,7 +678,7 @@ class ConvStats:
         self.method = _pick_conv_method(method, self.image_shape, (kh, kw), (sh, sw), (ph, pw),
                                         self.per_image_targets, images)
         self._dtype = None        # of the images, fixed by the first update
-        self._partial = None      # overlap: per-group products and their pending float32 rows
+        self._partial = None      # overlap: per-group products, their pending float32 rows, zeroed ones
 
     @property
     def state_bytes(self):
@@ -772,16 +776,16 @@ class ConvStats:
         most = min(most, max(OVERLAP_CHUNK_BYTES // per_image, thin, 1))
         chunk = -(-B // -(-B // most))  # equal chunks: no thin remainder
         if self._partial is None:
-            # No zeroing: a group's first product overwrites its slot (no pending rows).
-            self._partial = (recycled_array("fastls.ConvStats.overlap", (len(groups), channels, channels), dtype,
-                                            zero=False),
-                             np.zeros(len(groups), dtype=np.intp))
-        acc, pending = self._partial
+            # No zeroing: a group's first product overwrites its slot (no pending rows)
+            # or, if the slot is known to be zero, accumulates into it.
+            acc, clean = _group_products((len(groups), channels, channels), dtype)
+            self._partial = (acc, np.zeros(len(groups), dtype=np.intp), clean)
+        acc, pending, clean = self._partial
         # Scratch of one call; recycled, as fresh pages cost more to fault in than the gathers.
         buf_a = recycled_array("fastls.ConvStats.gather_a", (chunk * rows_per_image * channels,), dtype, zero=False)
         buf_b = recycled_array("fastls.ConvStats.gather_b", buf_a.shape, dtype, zero=False)
         sums = recycled_array("fastls.ConvStats.patch_sums", (chunk, d), dtype, zero=False)
-        _kernels.overlap_accumulate(acc, pending, *_layout(self.G), images, targets, groups, cells, blocks,
+        _kernels.overlap_accumulate(acc, pending, clean, *_layout(self.G), images, targets, groups, cells, blocks,
                                     buf_a, buf_b, sums, self.G, self.C, *_layout(self.C), kh, kw, ph, pw,
                                     out_h, out_w, self.append_ones, chunk, mixed, self.block_rows, DEFAULT_TILE)
 
@@ -820,8 +824,7 @@ class ConvStats:
         """Add what is still held per group into G; returns (G, C), complete."""
         if self._partial is not None:
             kh, kw, _, _, _, _, out_h, out_w = self.geometry
-            acc, pending = self._partial
-            _assemble_blocks(acc, pending, _assembly_plan(kh, kw, out_h, out_w), self.G)
+            _assemble_blocks(*self._partial, _assembly_plan(kh, kw, out_h, out_w), self.G)
             self._partial = None
         if self._factored is not None:
             self._finish_factored()
@@ -942,8 +945,11 @@ def _assembly_plan(kh, kw, out_h, out_w):
     return as_array(keys).reshape(-1, 2), as_array(starts), as_array(members)
 
 
-def _assemble_blocks(acc, pending, plan, G):
-    """G's blocks += the pending per-group products (threads over disjoint lines), then restart the groups."""
+def _assemble_blocks(acc, pending, clean, plan, G):
+    """G's blocks += the pending per-group products (threads over disjoint lines), then restart the groups.
+
+    The assembly zeroes the products it reads, so those groups are then clean.
+    """
     keys, starts, members = plan
     channels = acc.shape[1]
     # Memory-bound adds; threads_for keeps within the caller's core limit. Threads take
@@ -957,7 +963,28 @@ def _assemble_blocks(acc, pending, plan, G):
         _kernels.overlap_assemble(acc, pending, keys, starts, members, G, *_layout(G), mixed, *line_range)
 
     run_spans(assemble, ranges)
+    clean[pending > 0] = 1
     pending[:] = 0
+
+
+# Per-group products known to be zero, for the recycled products array:
+# (weak reference to that array, one flag per group). A first product then
+# accumulates (beta 1) instead of BLAS zeroing 4-16 MB before it.
+_zeroed_groups = {}
+_zeroed_lock = threading.Lock()
+
+
+def _group_products(shape, dtype):
+    """(products, clean): the recycled (n_groups, c, c) products, and which of them are known to be zero."""
+    key = "fastls.ConvStats.overlap"
+    with _zeroed_lock:
+        acc = recycled_array(key, shape, dtype, zero=False)
+        ref, clean = _zeroed_groups.get(key, (None, None))
+        if ref is None or ref() is not acc:
+            # New memory, or another products array meanwhile: nothing is known to be zero.
+            clean = np.zeros(shape[0], dtype=np.uint8)
+            _zeroed_groups[key] = (weakref.ref(acc), clean)
+    return acc, clean
 
 
 def conv_stats_cost(image_shape, kernel_size, *, stride=1, padding=0):

@@ -1102,15 +1102,6 @@ cdef inline void _add_block_row(const floating *src, bint rowmajor, Py_ssize_t c
             dst[j] += src[j]
 
 
-cdef void _fold(floating *S, bint rowmajor, Py_ssize_t c, floating *G,
-                double *G64, Py_ssize_t ldg, Py_ssize_t r0, Py_ssize_t c0,
-                bint upper_only) noexcept nogil:
-    """G[r0:r0+c, c0:c0+c] += S (S c x c stored in G's layout; upper part only on request)."""
-    cdef Py_ssize_t i
-    for i in range(c):
-        _add_block_row(S + i * c, rowmajor, c, G, G64, ldg, r0, c0, i, upper_only)
-
-
 cdef void _window_sums(const floating[:, :, :, ::1] images, Py_ssize_t img,
                        Py_ssize_t kh, Py_ssize_t kw, Py_ssize_t ph,
                        Py_ssize_t pw, Py_ssize_t out_h, Py_ssize_t out_w,
@@ -1142,11 +1133,18 @@ cdef void _window_sums(const floating[:, :, :, ::1] images, Py_ssize_t img,
 cdef void _fold_group(floating *acc, Py_ssize_t c, const int[:, ::1] groups,
                       const int[:, ::1] blocks, Py_ssize_t g, bint rowmajor,
                       floating *G, double *G64, Py_ssize_t ldg) noexcept nogil:
-    """Add group g's product into each of its blocks of G (the caller then restarts it: pending 0)."""
-    cdef Py_ssize_t blk
+    """Add group g's product into each of its blocks of G and zero it (the caller marks it clean).
+
+    Line by line: line i of the product is zeroed while it is still in cache
+    from its last addition, so the next product need not be zeroed by BLAS.
+    """
+    cdef Py_ssize_t blk, i
     cdef bint diagonal = groups[g, 0] == 0 and groups[g, 1] == 0
-    for blk in range(groups[g, 4], groups[g, 5]):
-        _fold(acc, rowmajor, c, G, G64, ldg, blocks[blk, 0] * c, blocks[blk, 1] * c, diagonal)
+    for i in range(c):
+        for blk in range(groups[g, 4], groups[g, 5]):
+            _add_block_row(acc + i * c, rowmajor, c, G, G64, ldg, blocks[blk, 0] * c,
+                           blocks[blk, 1] * c, i, diagonal)
+        memset(acc + i * c, 0, c * sizeof(floating))
 
 
 cdef inline void _pointers(object G_out, bint mixed, floating **G, double **G64):
@@ -1162,7 +1160,7 @@ cdef inline void _pointers(object G_out, bint mixed, floating **G, double **G64)
 
 
 def overlap_accumulate(floating[:, :, ::1] acc, Py_ssize_t[::1] pending,
-                       bint g_rowmajor, int ldg,
+                       unsigned char[::1] clean, bint g_rowmajor, int ldg,
                        const floating[:, :, :, ::1] images,
                        const floating[:, ::1] targets,
                        const int[:, ::1] groups, const int[:, ::1] cells,
@@ -1184,7 +1182,10 @@ def overlap_accumulate(floating[:, :, ::1] acc, Py_ssize_t[::1] pending,
     float32-into-float64 path (G_out, C_out float64) a group is folded into
     G whenever it has summed ``block_rows`` rows in float32 (``pending``).
     A group with no pending rows holds no product: its first one overwrites
-    acc[g] (beta 0), so acc needs no zeroing.
+    acc[g] (beta 0), so acc needs no zeroing, unless ``clean[g]`` says
+    acc[g] is zero already (the fold or the assembly zeroed it in cache):
+    then it accumulates (beta 1), which spares BLAS its pass that zeroes
+    the product first.
     """
     cdef Py_ssize_t c = images.shape[3], n = images.shape[0], d = sums.shape[1]
     cdef Py_ssize_t m = targets.shape[1], n_groups = groups.shape[0]
@@ -1232,7 +1233,7 @@ def overlap_accumulate(floating[:, :, ::1] acc, Py_ssize_t[::1] pending,
                         kb = rows - r0
                         if mixed:
                             kb = min(kb, block_rows - pending[g])
-                        beta = 1.0 if pending[g] > 0 else 0.0
+                        beta = 1.0 if pending[g] > 0 or clean[g] else 0.0
                         # acc[g] in G's layout: a row-major product is the Fortran transpose.
                         if diagonal:
                             _syrk_tn(sa + r0 * c, True, <int>c, <int>kb, <int>c,
@@ -1241,9 +1242,11 @@ def overlap_accumulate(floating[:, :, ::1] acc, Py_ssize_t[::1] pending,
                             _gemm_tn(sa + r0 * c, True, <int>c, sb + r0 * c, True, <int>c,
                                      <int>kb, <int>c, <int>c, beta, a_g, g_rowmajor, <int>c)
                         pending[g] += kb
+                        clean[g] = 0
                         if mixed and pending[g] >= block_rows:
                             _fold_group(a_g, c, groups, blocks, g, g_rowmajor, G, G64, ldg)
                             pending[g] = 0
+                            clean[g] = 1
                         r0 += kb
                 # Per-image patch sums: the bias column of G and the cross term.
                 for b in range(n_img):
@@ -1269,7 +1272,7 @@ def overlap_accumulate(floating[:, :, ::1] acc, Py_ssize_t[::1] pending,
         free(bias_sums)
 
 
-def overlap_assemble(const floating[:, :, ::1] acc, const Py_ssize_t[::1] pending,
+def overlap_assemble(floating[:, :, ::1] acc, const Py_ssize_t[::1] pending,
                      const int[:, ::1] block_keys, const int[::1] block_start,
                      const int[::1] block_groups, object G_out, bint g_rowmajor,
                      int ldg, bint mixed, Py_ssize_t first_line, Py_ssize_t stop_line):
@@ -1281,8 +1284,10 @@ def overlap_assemble(const floating[:, :, ::1] acc, const Py_ssize_t[::1] pendin
     group-by-group folding. Line by line across all the blocks: line i of
     every product is read from memory once, however many blocks it feeds, and
     line i of every block (a few hundred KiB) stays in cache while all its
-    groups are added. Disjoint line ranges may run in parallel threads. The
-    caller restarts the groups (pending 0) afterwards.
+    groups are added. Disjoint line ranges may run in parallel threads. Line
+    i of each pending product is zeroed after its last addition, while it is
+    in cache; the caller then marks those groups clean and restarts them
+    (pending 0).
     """
     cdef Py_ssize_t c = acc.shape[1], n_blocks = block_keys.shape[0], k, i, p, g
     cdef floating *G = NULL
@@ -1296,6 +1301,9 @@ def overlap_assemble(const floating[:, :, ::1] acc, const Py_ssize_t[::1] pendin
                     if pending[g] > 0:
                         _add_block_row(&acc[g, i, 0], g_rowmajor, c, G, G64, ldg, block_keys[k, 0] * c,
                                        block_keys[k, 1] * c, i, block_keys[k, 0] == block_keys[k, 1])
+            for g in range(acc.shape[0]):
+                if pending[g] > 0:
+                    memset(&acc[g, i, 0], 0, c * sizeof(floating))
 
 
 # ---------------------------------------------------------------------------

@@ -266,12 +266,34 @@ def test_recycled_products_never_leak_into_the_next_statistics(rng, images_dtype
         return G, C
 
     stats_of(first, targets[0])
-    G, C = stats_of(second, targets[1])
-    G_ref, C_ref = reference(second, targets[1], 3, 1, True)
-    n_terms = 4 * 7 * 6
-    # The products are formed in the images' dtype.
-    assert_close(np.triu(G), np.triu(G_ref), images_dtype, n_terms)
-    assert_close(C, C_ref, images_dtype, n_terms)
+    # Left unfinished: its groups hold rows, so the next statistics must not take them as zero.
+    abandoned = fastls.ConvStats(np.zeros((d, d), g_dtype), np.zeros((d, 2), g_dtype), (7, 6, 3), 3, padding=1,
+                                 append_ones=True, method="overlap", block_rows=block_rows)
+    abandoned.update(first[:1], targets[0][:1])
+    del abandoned
+    for _ in range(2):  # after the unfinished one, then after a finished one (products zeroed in cache)
+        G, C = stats_of(second, targets[1])
+        G_ref, C_ref = reference(second, targets[1], 3, 1, True)
+        n_terms = 4 * 7 * 6
+        # The products are formed in the images' dtype.
+        assert_close(np.triu(G), np.triu(G_ref), images_dtype, n_terms)
+        assert_close(C, C_ref, images_dtype, n_terms)
+
+
+@pytest.mark.parametrize("block_rows", [3, 4096])
+def test_finished_statistics_leave_their_products_zeroed_and_marked(rng, block_rows):
+    # The fold (block_rows=3) and the finish zero each product as they read it, so the next
+    # statistics of the same shape may accumulate into it without BLAS zeroing it first.
+    from fastls._core import _group_products, _overlap_plan
+    images = rng.standard_normal((4, 7, 6, 3)).astype(np.float32)
+    d = 9 * 3 + 1
+    G, C = np.zeros((d, d)), np.zeros((d, 2))
+    fastls.conv_gram_update(G, C, images, rng.standard_normal((4, 2)).astype(np.float32), 3, padding=1,
+                            append_ones=True, method="overlap", block_rows=block_rows)
+    n_groups = len(_overlap_plan(3, 3, 7, 6)[0])
+    products, clean = _group_products((n_groups, 3, 3), np.float32)
+    assert clean.all()
+    np.testing.assert_array_equal(products, 0)
 
 
 def test_statistics_in_flight_together_keep_their_own_products(rng):
