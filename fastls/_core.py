@@ -1025,18 +1025,19 @@ def conv_stats_method(image_shape, kernel_size, *, stride=1, padding=0, per_imag
 # Cost of one element of G read and written by a pass over it, in multiply-adds of
 # a float32 gemm: memory-bound, so it is the ratio of the machine's gemm rate to
 # its memory speed. The overlap's finish writes each block of G once and reads
-# each group product (float32, a quarter of the bytes) once. Refitted on
-# 2026-11-28 (AVX-512 VM, float32 gemm 346 GFLOP/s; bench/README.md, "Run 11")
-# to the measured crossovers of the two methods on the DCNN's three 3x3 maps:
-# about 4.5 / 27 / 62 images per finish on 14x14x512 / 6x6x1024 / 4x4x2048,
-# which 550 / 444 / 385 would place exactly; 400 places them at 2 / 19 / 78,
-# where the method it picks loses at most about 10 % between its crossover and
-# the measured one (at 19-26 images of 6x6x1024). It also absorbs what the
-# multiply-add counts leave out: the overlap's products on few images are thin
-# (64-256 rows against a C x C output) and run below the gemm rate. The value
-# before, 340, was fitted to a finish that read each product once per block it
-# fed; 100 before that, on a Haswell VM whose gemm ran at half the speed.
-FOLD_COST_IN_MACS = 400
+# each group product (float32) once and zeroes it: half the bytes of a block.
+# Refitted on 2026-11-28 (AVX-512 VM, float32 gemm 344 GFLOP/s; bench/README.md,
+# "Run 13"), after the products were zeroed in the finish instead of by BLAS, to
+# the measured crossovers of the two methods: about 23 images per finish on
+# 6x6x1024 and 50-55 on 4x4x2048 (forced methods, best of 3). No single value
+# places both; 295 switches at 2 / 19 / 63 images on 14x14x512 / 6x6x1024 /
+# 4x4x2048, where the method it picks loses at most 5-8 % between its switch
+# and the measured crossover. It also absorbs what the multiply-add counts leave
+# out: the overlap's products on few images are thin (64-256 rows against a
+# C x C output) and run below the gemm rate. Before: 400 with the products read
+# only (a quarter of a block's bytes), 340 with a finish that read each product
+# once per block it fed, 100 on a Haswell VM whose gemm ran at half the speed.
+FOLD_COST_IN_MACS = 295
 # A pass of im2col's float32-into-float64 path over G also writes and reads the
 # float32 tile of the product: about 1.5 times the bytes of a plain pass.
 IM2COL_PASS_COST_IN_MACS = 520
@@ -1064,7 +1065,7 @@ def _pick_conv_method(method, image_shape, kernel_size, stride, padding, per_ima
             groups = _overlap_plan(kh, kw, out_h, out_w)[0]  # one product per group, each feeding some block
             d = kh * kw * channels
             passes = -(-images * out_h * out_w // DEFAULT_BLOCK_ROWS)
-            overlap_macs += FOLD_COST_IN_MACS * (len(keys) + len(groups) / 4) * channels ** 2 / images
+            overlap_macs += FOLD_COST_IN_MACS * (len(keys) + len(groups) / 2) * channels ** 2 / images
             im2col_macs += IM2COL_PASS_COST_IN_MACS * passes * d * d / 2 / images
         # With the passes over G counted, the cheaper one wins; without them,
         # the overlap must save a margin that covers its one pass.
