@@ -773,7 +773,7 @@ class ConvStats:
         B = images.shape[0]
         # Cache-sized chunks unless the products would get too thin (class docstring).
         thin = -(-channels // max(1, int(2 * macs_per_image / len(groups))))
-        most = min(most, max(OVERLAP_CHUNK_BYTES // per_image, thin, 1))
+        most = min(most, max(OVERLAP_CHUNK_BYTES // per_image, thin))
         chunk = -(-B // -(-B // most))  # equal chunks: no thin remainder
         if self._partial is None:
             # No zeroing: a group's first product overwrites its slot (no pending rows)
