@@ -34,7 +34,7 @@ __all__ = ["save_checkpoint", "load_checkpoint"]
 _FORMAT = "fedlayer-checkpoint-2"
 #: Fingerprint keys added after checkpoints of this format were written, with the behaviour before them: an
 #: older checkpoint, which lacks the key, matches a run with that value.
-_ADDED_KEYS = {"gamma_scope": "all"}
+_ADDED_KEYS = {"gamma_scope": "all", "padding": "valid"}
 #: Fingerprint values renamed after checkpoints of this format were written: "algorithm" used to name the run's
 #: algorithm and now names the one whose federated stage it trains, which a personalized run shares.
 _RENAMED_VALUES = {"algorithm": {"pfedacnnl": "pfedacnnl-wp", "pfedacnnl-wc": "fedacnnl"}}
@@ -110,7 +110,8 @@ def load_checkpoint(path, fingerprint):
     saved = {**_ADDED_KEYS, **state["fingerprint"]}
     saved.update({key: renamed.get(saved[key], saved[key]) for key, renamed in _RENAMED_VALUES.items() if key in saved})
     if saved != fingerprint:
-        diff = {k: (saved.get(k), v) for k, v in fingerprint.items() if saved.get(k) != v}
+        diff = {k: (saved.get(k), fingerprint.get(k)) for k in {**saved, **fingerprint}
+                if saved.get(k) != fingerprint.get(k)}
         raise ValueError(f"checkpoint {path} was written by another configuration: (saved, now) = {diff}; "
                          f"{start_over}")
     group_weights = {int(k): [stored[f"w_{k}_{i}"] for i in range(state["layers_done"])] for k in state["groups"]}

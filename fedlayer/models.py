@@ -74,6 +74,7 @@ __all__ = [
     "Conv2d",
     "Model",
     "LAYER_TYPES",
+    "DCNN_PADDINGS",
     "KNOWN_MODELS",
     "build_model",
     "model_from_layers",
@@ -1251,9 +1252,12 @@ def _json_default(obj):
 
 #: Names accepted by :func:`build_model`.
 KNOWN_MODELS = ("lr", "dnn", "dcnn")
+#: Zero paddings :func:`build_model` accepts for the DCNN's convolutions.
+DCNN_PADDINGS = ("valid", "same")
 
 
-def build_model(name, input_shape, n_classes, *, width=1.0, dtype=np.float64, negative_slope=0.01):
+def build_model(name, input_shape, n_classes, *, width=1.0, dtype=np.float64, negative_slope=0.01,
+                padding="valid"):
     """One of the paper's models (section 5.1), weights unset.
 
     Parameters
@@ -1278,6 +1282,10 @@ def build_model(name, input_shape, n_classes, *, width=1.0, dtype=np.float64, ne
     dtype : float32 or float64, default=float64
     negative_slope : float, default=0.01
         Slope of the DCNN's LeakyReLUs (PyTorch's default).
+    padding : {"valid", "same"}, default="valid"
+        Zero padding of the DCNN's convolutions (the paper does not say;
+        see Notes). The other models have no convolutions and must keep
+        "valid".
 
     Returns
     -------
@@ -1285,22 +1293,30 @@ def build_model(name, input_shape, n_classes, *, width=1.0, dtype=np.float64, ne
 
     Notes
     -----
-    The DCNN uses 'valid' padding everywhere. On 32x32x3 CIFAR-10 images the
-    spatial size goes 32 -conv5-> 28 -pool-> 14 -conv3-> 12 -pool-> 6
-    -conv3-> 4 -conv3-> 2, so the classifier sees 2 x 2 x 2048 = 8192
-    features (8193 with the bias): its least-squares Gram is 8193 x 8193,
-    537 MB in float64, which every client builds and the server aggregates.
-    With 'same' padding the map would stay 8 x 8 after the two pools, giving
-    8 x 8 x 2048 = 131072 features and a 131073^2 Gram of about 137 GB:
-    infeasible for closed-form training, hence valid padding. (The
+    The paper does not give the DCNN's padding. With 'valid' padding (the
+    default, PyTorch's) the spatial size on 32x32x3 CIFAR-10 images goes
+    32 -conv5-> 28 -pool-> 14 -conv3-> 12 -pool-> 6 -conv3-> 4 -conv3-> 2, so
+    the classifier sees 2 x 2 x 2048 = 8192 features (8193 with the bias):
+    its least-squares Gram is 8193 x 8193, 537 MB in float64, which every
+    client builds and the server aggregates. With 'same' padding the map
+    stays 8 x 8 after the two pools: 8 x 8 x 2048 = 131072 features and a
+    131073^2 Gram of about 137 GB at full width, beyond a 24 GiB machine,
+    but the wider maps also lift the rank limit of the pseudo-labels
+    (10 classes x output positions) and gain about 10 points of accuracy
+    at the widths that fit (docs/results/fig6_padding.md). (The
     convolutions' own Grams are at most 3*3*2048 + 1 = 18433 square, 2.7 GB,
-    at full width.)
+    at full width, either way.)
     """
     key = name.lower() if isinstance(name, str) else name
     if key not in KNOWN_MODELS:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(repr(m) for m in KNOWN_MODELS)}")
     input_shape = _as_shape("input_shape", input_shape)
     n_classes = _positive_int("n_classes", n_classes)
+    if padding not in DCNN_PADDINGS:
+        raise ValueError(f"padding must be one of {', '.join(map(repr, DCNN_PADDINGS))}, got {padding!r}")
+    if padding != "valid" and key != "dcnn":
+        raise ValueError(f"padding={padding!r} applies to the dcnn model only (the {key!r} model has no "
+                         f"convolutions); keep padding='valid'")
     if isinstance(width, bool) or not isinstance(width, numbers.Real) or not math.isfinite(width) or width <= 0:
         raise ValueError(f"width must be a finite number > 0, got {width!r}")
 
@@ -1320,12 +1336,12 @@ def build_model(name, input_shape, n_classes, *, width=1.0, dtype=np.float64, ne
             return LeakyReLU(negative_slope)
 
         layers = [
-            Conv2d(scaled(512), 5, activation=leaky()),
+            Conv2d(scaled(512), 5, padding=padding, activation=leaky()),
             AvgPool2d(2),
-            Conv2d(scaled(1024), 3, activation=leaky()),
+            Conv2d(scaled(1024), 3, padding=padding, activation=leaky()),
             AvgPool2d(2),
-            Conv2d(scaled(2048), 3, activation=leaky()),
-            Conv2d(scaled(2048), 3, activation=leaky()),
+            Conv2d(scaled(2048), 3, padding=padding, activation=leaky()),
+            Conv2d(scaled(2048), 3, padding=padding, activation=leaky()),
             Flatten(),
             Dense(n_classes),
         ]

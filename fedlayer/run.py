@@ -30,7 +30,7 @@ from .algorithms import ALGORITHMS
 from .client import CONV_TARGETS, EPS_CRITERIA, FORWARD_MODES, Client
 from .federated import UPLOAD_MODES
 from .data import KNOWN_DATASETS, ClientData, load_federated
-from .models import KNOWN_MODELS, build_model
+from .models import DCNN_PADDINGS, KNOWN_MODELS, build_model
 from .timing import Clock, time_summary
 from .transport import InProcessTransport
 
@@ -57,6 +57,7 @@ CONFIG_CONSTRAINTS = {
     "batch_size": _POSITIVE_INT,
     "max_batch_size": _POSITIVE_INT,
     "width": _POSITIVE,
+    "padding": [Options(*DCNN_PADDINGS)],
     "conv_targets": [Options(*CONV_TARGETS)],
     "forward": [Options(*FORWARD_MODES)],
     "upload": [Options(*UPLOAD_MODES)],
@@ -106,6 +107,7 @@ class RunConfig:
     batch_size: int = 64         # B_1, the first round's batch size
     max_batch_size: int = 1024   # B_max
     width: float = 1.0           # channel multiplier of the DCNN
+    padding: str = "valid"       # zero padding of the DCNN's convolutions: "valid" (none) or "same"
     conv_targets: str = "position"  # a convolution's label code: one per output position, or one per "image"
     forward: str = "cached"      # layer inputs of a round: cached activations, or each "batch" from the input layer
     upload: str = "coordinates"  # a hidden layer's cross statistics: X^T Y's coordinates, or X^T Z ("targets")
@@ -139,6 +141,9 @@ class RunConfig:
         if self.batch_size > self.max_batch_size:
             raise ValueError(f"{where}batch_size ({self.batch_size}) must not exceed max_batch_size "
                              f"({self.max_batch_size})")
+        if self.padding != "valid" and self.model != "dcnn":
+            raise ValueError(f"{where}padding={self.padding!r} applies to the dcnn model only (model is "
+                             f"{self.model!r}, which has no convolutions)")
         if self.resume and self.checkpoint_path() is None:
             raise ValueError(f"{where}resume needs a checkpoint to resume from: give output or checkpoint")
         try:
@@ -183,7 +188,7 @@ class RunConfig:
                 "gamma_scope": self.gamma_scope,
                 # Only when set, so that checkpoints written before the key existed still resume.
                 **({"gamma_output": self.gamma_output} if self.gamma_output is not None else {}),
-                "width": self.width, "conv_targets": self.conv_targets, **self.split()}
+                "width": self.width, "padding": self.padding, "conv_targets": self.conv_targets, **self.split()}
 
 
 def client_cores(n_clients, seed, cores=None, available=None):
@@ -260,7 +265,7 @@ def load_dataset(config: RunConfig):
 def build(config: RunConfig, dataset):
     """The run's model architecture (untrained) for ``dataset``."""
     return build_model(config.model, dataset.feature_shape, dataset.n_classes, width=config.width,
-                       dtype=np.dtype(config.dtype))
+                       dtype=np.dtype(config.dtype), padding=config.padding)
 
 
 def check_output_paths(config: RunConfig):

@@ -115,15 +115,22 @@ def test_resumed_after_its_last_round_the_run_still_reports_its_accuracy(tmp_pat
 
 
 def test_a_key_added_to_the_fingerprint_matches_its_earlier_behaviour(tmp_path):
-    # checkpoints written before gamma_scope existed behaved as gamma_scope="all"
+    # checkpoints written before gamma_scope existed behaved as gamma_scope="all", and before the DCNN's
+    # padding was a choice it was 'valid'
     path = tmp_path / "checkpoint.npz"
     from fedlayer.checkpoint import save_checkpoint
 
     save_checkpoint(path, fingerprint={"gamma": 100.0}, layers_done=1, group_of={0: 0},
                     group_weights={0: [np.ones((2, 2))]}, batch={0: 1}, first_durations=None, rounds=[])
-    assert load_checkpoint(path, {"gamma": 100.0, "gamma_scope": "all"})["layers_done"] == 1
+    now = {"gamma": 100.0, "gamma_scope": "all", "padding": "valid"}
+    assert load_checkpoint(path, now)["layers_done"] == 1
     with pytest.raises(ValueError, match=r"'gamma_scope': \('all', 'group'\)"):
-        load_checkpoint(path, {"gamma": 100.0, "gamma_scope": "group"})
+        load_checkpoint(path, {**now, "gamma_scope": "group"})
+    with pytest.raises(ValueError, match=r"'padding': \('valid', 'same'\)"):
+        load_checkpoint(path, {**now, "padding": "same"})
+    # a key the run no longer has is named too
+    with pytest.raises(ValueError, match=r"'gamma': \(100.0, None\)"):
+        load_checkpoint(path, {"gamma_scope": "all", "padding": "valid"})
 
 
 @pytest.mark.parametrize("written_by, stage", [("pfedacnnl", "pfedacnnl-wp"), ("pfedacnnl-wc", "fedacnnl")])
@@ -134,9 +141,9 @@ def test_a_checkpoint_naming_its_run_resumes_as_the_stage_it_trained(tmp_path, w
 
     save_checkpoint(path, fingerprint={"algorithm": written_by}, layers_done=1, group_of={0: 0},
                     group_weights={0: [np.ones((2, 2))]}, batch={0: 1}, first_durations=None, rounds=[])
-    assert load_checkpoint(path, {"algorithm": stage, "gamma_scope": "all"})["layers_done"] == 1
+    assert load_checkpoint(path, {"algorithm": stage, "gamma_scope": "all", "padding": "valid"})["layers_done"] == 1
     with pytest.raises(ValueError, match="another configuration"):
-        load_checkpoint(path, {"algorithm": "acnnl", "gamma_scope": "all"})
+        load_checkpoint(path, {"algorithm": "acnnl", "gamma_scope": "all", "padding": "valid"})
 
 
 def test_resumed_clients_share_the_checkpointed_weights(tmp_path, monkeypatch):

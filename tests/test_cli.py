@@ -90,6 +90,8 @@ def exit_status(argv):
         (["--gamma", "-1"], "argument --gamma: must be a finite number > 0 or one of 'auto', got '-1'"),
         (["--gamma-output", "0"], "argument --gamma-output: must be a finite number > 0 or one of 'auto', got '0'"),
         (["--batch-size", "2048"], "must not exceed max_batch_size"),
+        (["--padding", "full"], "argument --padding: invalid choice: 'full'"),
+        (["--model", "dnn", "--padding", "same"], "padding='same' applies to the dcnn model only"),
         (["--dataset", "mnist", "--data-dir", "/nonexistent"], "/nonexistent"),
         (["--algorithm", "fedzo", "--hyper", "learning_rate=0.1"],
          "unknown hyperparameters ['learning_rate'] for fedzo"),

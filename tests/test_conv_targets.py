@@ -14,8 +14,8 @@ from test_federated import N_CLASSES, client_data
 SHAPE = (32, 32, 2)
 
 
-def small_dcnn():
-    return build_model("dcnn", SHAPE, N_CLASSES, width=1 / 256)
+def small_dcnn(padding="valid"):
+    return build_model("dcnn", SHAPE, N_CLASSES, width=1 / 256, padding=padding)
 
 
 def images(rng, n):
@@ -33,11 +33,12 @@ def test_encoders_span_each_layers_whole_output():
         encoder_widths(model, "pixel")
 
 
+@pytest.mark.parametrize("padding", ["valid", "same"])
 @pytest.mark.parametrize("conv_targets", ["position", "image"])
-def test_client_statistics_equal_explicit_patch_rows(rng, conv_targets):
+def test_client_statistics_equal_explicit_patch_rows(rng, conv_targets, padding):
     """G and C of every layer, from the client's streamed kernels, equal [P, 1]^T [P, 1] and [P, 1]^T Z by rows."""
     x, y = images(rng, 9)
-    client = Client(0, client_data(x, y, np.arange(9)), small_dcnn().config(), seed=2, n_classes=N_CLASSES,
+    client = Client(0, client_data(x, y, np.arange(9)), small_dcnn(padding).config(), seed=2, n_classes=N_CLASSES,
                     conv_targets=conv_targets)
     h = x
     for position, index in enumerate(client.model.trainable):
@@ -52,13 +53,14 @@ def test_client_statistics_equal_explicit_patch_rows(rng, conv_targets):
         client.set_weights(position, W)
 
 
-def test_fedacnnl_with_position_codes_equals_centralized(rng):
+@pytest.mark.parametrize("padding", ["valid", "same"])
+def test_fedacnnl_with_position_codes_equals_centralized(rng, padding):
     x, y = images(rng, 40)
-    config = small_dcnn().config()
+    config = small_dcnn(padding).config()
 
     def run(parts):
         clients = [Client(i, client_data(x, y, p), config, seed=5, n_classes=N_CLASSES) for i, p in enumerate(parts)]
-        bases = target_bases(small_dcnn(), 5)
+        bases = target_bases(small_dcnn(padding), 5)
         return run_protocol(InProcessTransport(clients), 5, Variant(adaptive=False), batch_size=7,
                             target_bases=bases)["group_weights"][0]
 

@@ -476,6 +476,21 @@ def test_build_dcnn_full_width_gram_size():
     assert model.layers[model.trainable[-1]].weights is None
 
 
+def test_build_dcnn_same_padding_keeps_the_maps(rng):
+    """'same' padding: 32 -> 32 -> pool 16 -> 16 -> pool 8 -> 8 -> 8, so the classifier sees 8 x 8 x filters."""
+    model = build_model("dcnn", (32, 32, 3), 10, width=1 / 64, padding="same")
+    c = round(2048 / 64)
+    assert [model.input_shape_of(i) for i in range(len(model.layers) + 1)] == [
+        (32, 32, 3), (32, 32, 8), (16, 16, 8), (16, 16, 16), (8, 8, 16), (8, 8, c), (8, 8, c), (8 * 8 * c,), (10,)]
+    fill_weights(model, rng, 0.1)
+    x = random(rng, (3, 32, 32, 3))
+    np.testing.assert_allclose(model.forward(x, batch_size=2), model.forward(x), rtol=1e-12, atol=1e-12)
+    # At full width the classifier's Gram is 131073 square (about 137 GB in float64).
+    full = build_model("dcnn", (32, 32, 3), 10, padding="same")
+    last = full.trainable[-1]
+    assert full.layers[last].ls_shape(full.input_shape_of(last)) == (131073, 10)
+
+
 def test_build_model_errors():
     with pytest.raises(ValueError, match="'lr', 'dnn', 'dcnn'"):
         build_model("cnn", (60,), 10)
@@ -483,6 +498,10 @@ def test_build_model_errors():
         build_model("dcnn", (60,), 10)
     with pytest.raises(ValueError, match="width"):
         build_model("dcnn", (32, 32, 3), 10, width=0)
+    with pytest.raises(ValueError, match="padding must be one of 'valid', 'same', got 'full'"):
+        build_model("dcnn", (32, 32, 3), 10, padding="full")
+    with pytest.raises(ValueError, match="dcnn model only"):
+        build_model("dnn", (60,), 10, padding="same")
     assert build_model("DNN", (60,), 3, width=0.5).layers[0].units == 64
 
 
