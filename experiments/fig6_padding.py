@@ -1,0 +1,99 @@
+"""Fig. 6's DCNN with 'valid' against 'same' padding, FedACnnL at the widths that fit this machine.
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python experiments/fig6_padding.py \
+        [--widths 0.0625 0.125 0.25] [--paddings valid same] [--work results/fig6-padding]
+
+The paper does not give the DCNN's padding. With 'valid' padding (fedlayer's
+default) the classifier sees 2 x 2 x 2048 features at full width; with 'same'
+it sees 8 x 8 x 2048, a 131073^2 Gram (137 GB in float64) that no 24 GiB
+machine holds. This script trains FedACnnL (100 clients, Dirichlet 0.1,
+gamma 100, float32 data, 2 cores, codes per output position) both ways at
+reduced widths, each cell in its own process so that its peak RSS is its own,
+and scores the model on the clients' training splits as well as their test
+splits (how far each model is from fitting its training data).
+
+Rows are kept in ``--json`` across invocations (a cell rerun replaces its
+row); the markdown table is rebuilt from all of them. Discussion:
+docs/results/fig6_notes.md ("Padding").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dev_layout import REPOSITORY, emit_report, use_shared_data
+
+FORWARD_BATCH = 256  # images per forward step when scoring
+
+
+def train_cell(width, padding, work):
+    """Train one cell in this process; returns its row (accuracies, time, memory, classifier width)."""
+    from fedlayer.models import Model
+    from fedlayer.run import RunConfig, load_dataset, run
+
+    output = Path(work) / f"{padding}-{width:g}"
+    config = RunConfig(algorithm="fedacnnl", dataset="cifar10", model="dcnn", width=width, padding=padding,
+                       dtype="float32", cores=[2], eval_every=100, output=str(output))
+    start = time.perf_counter()
+    results = run(config)
+    wall = time.perf_counter() - start
+    model, _ = Model.load(output / "model.npz")
+    correct = total = 0
+    for client in load_dataset(config).clients:
+        if len(client.y_train):
+            c, t = model.accuracy(client.x_train, client.y_train, batch_size=FORWARD_BATCH)
+            correct, total = correct + c, total + t
+    last = model.trainable[-1]
+    accuracy = results["accuracy"]
+    return {"width": width, "padding": padding, "test_accuracy": accuracy[-1] if isinstance(accuracy, list) else accuracy,
+            "train_accuracy": correct / total, "classifier_d": model.layers[last].ls_shape(model.input_shape_of(last))[0],
+            "wall_s": wall, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def table(rows):
+    lines = ["| width | padding | classifier's d | test accuracy (%) | training accuracy (%) | wall (s) | peak RSS (GiB) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["width"], r["padding"] != "valid")):
+        lines.append(f"| 1/{1 / r['width']:g} | {r['padding']} | {r['classifier_d']:,} | {100 * r['test_accuracy']:.2f} | "
+                     f"{100 * r['train_accuracy']:.2f} | {r['wall_s']:.0f} | {r['peak_rss_bytes'] / 2**30:.2f} |")
+    return lines
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--widths", type=float, nargs="+", default=[0.0625, 0.125, 0.25])
+    parser.add_argument("--paddings", nargs="+", choices=["valid", "same"], default=["valid", "same"])
+    parser.add_argument("--work", default=str(REPOSITORY / "results" / "fig6-padding"), help="run outputs (models, caches)")
+    parser.add_argument("--json", default=str(REPOSITORY / "docs" / "results" / "fig6_padding.json"))
+    parser.add_argument("--out", default=str(REPOSITORY / "docs" / "results" / "fig6_padding.md"))
+    parser.add_argument("--cell", nargs=2, metavar=("WIDTH", "PADDING"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    use_shared_data()
+    if args.cell:
+        print(json.dumps(train_cell(float(args.cell[0]), args.cell[1], args.work)))
+        return 0
+    path = Path(args.json)
+    rows = json.loads(path.read_text()) if path.exists() else []
+    for width in args.widths:
+        for padding in args.paddings:
+            child = subprocess.run([sys.executable, __file__, "--work", args.work, "--cell", str(width), padding],
+                                   check=True, stdout=subprocess.PIPE, text=True)
+            row = json.loads(child.stdout.strip().splitlines()[-1])
+            rows = [r for r in rows if (r["width"], r["padding"]) != (width, padding)] + [row]
+            path.write_text(json.dumps(rows, indent=1) + "\n")
+            print(table([row])[-1], flush=True)
+    command = " ".join(argv if argv is not None else sys.argv[1:])
+    emit_report([f"Command: `python experiments/fig6_padding.py {command}`; FedACnnL, 100 clients, Dirichlet 0.1, "
+                 "gamma 100, float32, 2 cores, label codes per output position. Rows from earlier invocations "
+                 f"are kept in {path.name}.", ""] + table(rows), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
