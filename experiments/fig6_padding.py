@@ -51,17 +51,21 @@ def train_cell(width, padding, work):
             correct, total = correct + c, total + t
     last = model.trainable[-1]
     accuracy = results["accuracy"]
-    return {"width": width, "padding": padding, "test_accuracy": accuracy[-1] if isinstance(accuracy, list) else accuracy,
-            "train_accuracy": correct / total, "classifier_d": model.layers[last].ls_shape(model.input_shape_of(last))[0],
+    return {"width": width, "padding": padding,
+            "test_accuracy": accuracy[-1] if isinstance(accuracy, list) else accuracy,
+            "train_accuracy": correct / total,
+            "classifier_d": model.layers[last].ls_shape(model.input_shape_of(last))[0],
             "wall_s": wall, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def table(rows):
-    lines = ["| width | padding | classifier's d | test accuracy (%) | training accuracy (%) | wall (s) | peak RSS (GiB) |",
+    lines = ["| width | padding | classifier's d | test accuracy (%) | training accuracy (%) | wall (s) | "
+             "peak RSS (GiB) |",
              "|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["width"], r["padding"] != "valid")):
-        lines.append(f"| 1/{1 / r['width']:g} | {r['padding']} | {r['classifier_d']:,} | {100 * r['test_accuracy']:.2f} | "
-                     f"{100 * r['train_accuracy']:.2f} | {r['wall_s']:.0f} | {r['peak_rss_bytes'] / 2**30:.2f} |")
+        lines.append(f"| 1/{1 / r['width']:g} | {r['padding']} | {r['classifier_d']:,} | "
+                     f"{100 * r['test_accuracy']:.2f} | {100 * r['train_accuracy']:.2f} | {r['wall_s']:.0f} | "
+                     f"{r['peak_rss_bytes'] / 2**30:.2f} |")
     return lines
 
 
@@ -69,7 +73,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--widths", type=float, nargs="+", default=[0.0625, 0.125, 0.25])
     parser.add_argument("--paddings", nargs="+", choices=["valid", "same"], default=["valid", "same"])
-    parser.add_argument("--work", default=str(REPOSITORY / "results" / "fig6-padding"), help="run outputs (models, caches)")
+    parser.add_argument("--work", default=str(REPOSITORY / "results" / "fig6-padding"),
+                        help="run outputs (models, caches)")
     parser.add_argument("--json", default=str(REPOSITORY / "docs" / "results" / "fig6_padding.json"))
     parser.add_argument("--out", default=str(REPOSITORY / "docs" / "results" / "fig6_padding.md"))
     parser.add_argument("--cell", nargs=2, metavar=("WIDTH", "PADDING"), help=argparse.SUPPRESS)
