@@ -13,7 +13,8 @@ and scores the model on the clients' training splits as well as their test
 splits (how far each model is from fitting its training data).
 
 Rows are kept in ``--json`` across invocations (a cell rerun replaces its
-row); the markdown table is rebuilt from all of them. Discussion:
+row); the markdown table is rebuilt from all of them (``--report`` only
+rebuilds it). Discussion:
 docs/results/fig6_notes.md ("Padding").
 """
 
@@ -77,6 +78,7 @@ def main(argv=None):
                         help="run outputs (models, caches)")
     parser.add_argument("--json", default=str(REPOSITORY / "docs" / "results" / "fig6_padding.json"))
     parser.add_argument("--out", default=str(REPOSITORY / "docs" / "results" / "fig6_padding.md"))
+    parser.add_argument("--report", action="store_true", help="only rebuild the table from --json")
     parser.add_argument("--cell", nargs=2, metavar=("WIDTH", "PADDING"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     use_shared_data()
@@ -85,7 +87,7 @@ def main(argv=None):
         return 0
     path = Path(args.json)
     rows = json.loads(path.read_text()) if path.exists() else []
-    for width in args.widths:
+    for width in [] if args.report else args.widths:
         for padding in args.paddings:
             child = subprocess.run([sys.executable, __file__, "--work", args.work, "--cell", str(width), padding],
                                    check=True, stdout=subprocess.PIPE, text=True)
@@ -93,10 +95,11 @@ def main(argv=None):
             rows = [r for r in rows if (r["width"], r["padding"]) != (width, padding)] + [row]
             path.write_text(json.dumps(rows, indent=1) + "\n")
             print(table([row])[-1], flush=True)
-    command = " ".join(argv if argv is not None else sys.argv[1:])
-    emit_report([f"Command: `python experiments/fig6_padding.py {command}`; FedACnnL, 100 clients, Dirichlet 0.1, "
-                 "gamma 100, float32, 2 cores, label codes per output position. Rows from earlier invocations "
-                 f"are kept in {path.name}.", ""] + table(rows), args.out)
+    emit_report(["# Fig. 6's DCNN: 'valid' against 'same' padding", "",
+                 "Made by `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python experiments/fig6_padding.py --widths "
+                 "W [W ...]`: FedACnnL, 100 clients, Dirichlet 0.1, gamma 100, float32, 2 cores, label codes per "
+                 f"output position. Each invocation adds or replaces its cells' rows in {path.name}; the table shows "
+                 "them all. Discussion: [fig6_notes.md](fig6_notes.md), \"Padding\".", ""] + table(rows), args.out)
     return 0
 
 
