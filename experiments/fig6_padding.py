@@ -128,7 +128,9 @@ def main(argv=None):
                  "Made by `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python experiments/fig6_padding.py --widths "
                  "W [W ...]`: FedACnnL, 100 clients, Dirichlet 0.1, gamma 100, float32, 2 cores, label codes per "
                  f"output position. Each invocation adds or replaces its cells' rows in {path.name}; the table shows "
-                 "them all. Discussion: [fig6_notes.md](fig6_notes.md), \"Padding\".", ""] + table(rows), args.out)
+                 "them all. Rows with a pool before the classifier (`--classifier-pool P`) are a diagnostic model, "
+                 "not the paper's. Discussion: [fig6_notes.md](fig6_notes.md), \"Padding\".", ""]
+                + table(rows), args.out)
     return 0
 
 
