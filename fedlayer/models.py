@@ -1301,9 +1301,9 @@ def build_model(name, input_shape, n_classes, *, width=1.0, dtype=np.float64, ne
     client builds and the server aggregates. With 'same' padding the map
     stays 8 x 8 after the two pools: 8 x 8 x 2048 = 131072 features and a
     131073^2 Gram of about 137 GB at full width, beyond a 24 GiB machine,
-    but the wider maps also lift the rank limit of the pseudo-labels
-    (10 classes x output positions) and gain about 10 points of accuracy
-    at the widths that fit (docs/results/fig6_padding.md). (The
+    but about 10 points more accurate at the widths that fit, mostly
+    because the classifier sees 16x more positions
+    (docs/results/fig6_padding.md). (The
     convolutions' own Grams are at most 3*3*2048 + 1 = 18433 square, 2.7 GB,
     at full width, either way.)
     """
