@@ -76,6 +76,7 @@ __all__ = [
     "LAYER_TYPES",
     "DCNN_PADDINGS",
     "KNOWN_MODELS",
+    "check_padding",
     "build_model",
     "model_from_layers",
 ]
@@ -1256,6 +1257,15 @@ KNOWN_MODELS = ("lr", "dnn", "dcnn")
 DCNN_PADDINGS = ("valid", "same")
 
 
+def check_padding(model, padding):
+    """Refuse a ``padding`` that :func:`build_model` does not take for ``model`` (a name in KNOWN_MODELS)."""
+    if padding not in DCNN_PADDINGS:
+        raise ValueError(f"padding must be one of {', '.join(map(repr, DCNN_PADDINGS))}, got {padding!r}")
+    if padding != "valid" and model != "dcnn":
+        raise ValueError(f"padding={padding!r} applies to the dcnn model only (the {model!r} model has no "
+                         f"convolutions); keep padding='valid'")
+
+
 def build_model(name, input_shape, n_classes, *, width=1.0, dtype=np.float64, negative_slope=0.01,
                 padding="valid"):
     """One of the paper's models (section 5.1), weights unset.
@@ -1312,11 +1322,7 @@ def build_model(name, input_shape, n_classes, *, width=1.0, dtype=np.float64, ne
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(repr(m) for m in KNOWN_MODELS)}")
     input_shape = _as_shape("input_shape", input_shape)
     n_classes = _positive_int("n_classes", n_classes)
-    if padding not in DCNN_PADDINGS:
-        raise ValueError(f"padding must be one of {', '.join(map(repr, DCNN_PADDINGS))}, got {padding!r}")
-    if padding != "valid" and key != "dcnn":
-        raise ValueError(f"padding={padding!r} applies to the dcnn model only (the {key!r} model has no "
-                         f"convolutions); keep padding='valid'")
+    check_padding(key, padding)
     if isinstance(width, bool) or not isinstance(width, numbers.Real) or not math.isfinite(width) or width <= 0:
         raise ValueError(f"width must be a finite number > 0, got {width!r}")
 

@@ -30,7 +30,7 @@ from .algorithms import ALGORITHMS
 from .client import CONV_TARGETS, EPS_CRITERIA, FORWARD_MODES, Client
 from .federated import UPLOAD_MODES
 from .data import KNOWN_DATASETS, ClientData, load_federated
-from .models import DCNN_PADDINGS, KNOWN_MODELS, build_model
+from .models import DCNN_PADDINGS, KNOWN_MODELS, build_model, check_padding
 from .timing import Clock, time_summary
 from .transport import InProcessTransport
 
@@ -141,12 +141,10 @@ class RunConfig:
         if self.batch_size > self.max_batch_size:
             raise ValueError(f"{where}batch_size ({self.batch_size}) must not exceed max_batch_size "
                              f"({self.max_batch_size})")
-        if self.padding != "valid" and self.model != "dcnn":
-            raise ValueError(f"{where}padding={self.padding!r} applies to the dcnn model only (model is "
-                             f"{self.model!r}, which has no convolutions)")
         if self.resume and self.checkpoint_path() is None:
             raise ValueError(f"{where}resume needs a checkpoint to resume from: give output or checkpoint")
         try:
+            check_padding(self.model, self.padding)
             ALGORITHMS[self.algorithm].check_config(self)
         except ValueError as err:
             raise ValueError(f"{where}{err}") from None
