@@ -63,14 +63,15 @@ def train_cell(width, padding, pool, work):
                        dtype="float32", cores=[2], eval_every=100, output=str(output))
     # The pooled model is not the paper's; run() builds its model through this module-level function only.
     run_module = sys.modules["fedlayer.run"]
-    with mock.patch.object(run_module, "build", pool_before_classifier(run_module.build, pool) if pool > 1
-                           else run_module.build):
-        start = time.perf_counter()
-        results = run(config)
-        wall = time.perf_counter() - start
+    build = pool_before_classifier(run_module.build, pool) if pool > 1 else run_module.build
+    start = time.perf_counter()
+    dataset = load_dataset(config)  # timed, as run() would load it; then reused for the training accuracy
+    with mock.patch.object(run_module, "build", build):
+        results = run(config, dataset=dataset)
+    wall = time.perf_counter() - start
     model, _ = Model.load(output / "model.npz")
     correct = total = 0
-    for client in load_dataset(config).clients:
+    for client in dataset.clients:
         if len(client.y_train):
             c, t = model.accuracy(client.x_train, client.y_train, batch_size=FORWARD_BATCH)
             correct, total = correct + c, total + t
