@@ -50,7 +50,7 @@ import numpy as np
 import fastls
 from dev_layout import use_shared_data
 from fedlayer.checkpoint import load_checkpoint
-from fedlayer.models import Conv2d, build_model
+from fedlayer.models import DCNN_PADDINGS, Conv2d, build_model
 from fedlayer.run import RunConfig, load_dataset, run
 from fedlayer.timing import time_summary
 
@@ -366,7 +366,7 @@ def main():
     parser.add_argument("--out", default="docs/results", help="folder of fig6.md and fig6_accuracy.png")
     parser.add_argument("--conv-targets", choices=["position", "image"], default="position",
                         help="label codes of the convolutions (fedlayer run --conv-targets)")
-    parser.add_argument("--padding", choices=["valid", "same"], default="valid",
+    parser.add_argument("--padding", choices=DCNN_PADDINGS, default="valid",
                         help="the DCNN's convolutions ('same' at full width needs a 137 GB classifier Gram)")
     parser.add_argument("--name", default="fig6", help="the report's file names: NAME.md, NAME_accuracy.png")
     parser.add_argument("--redo", action="store_true", help="run again algorithms already in --runs")

@@ -35,6 +35,7 @@ from pathlib import Path
 from unittest import mock
 
 from dev_layout import REPOSITORY, emit_report, use_shared_data
+from fedlayer.models import DCNN_PADDINGS
 
 FORWARD_BATCH = 256  # images per forward step when scoring
 
@@ -100,7 +101,7 @@ def table(rows):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--widths", type=float, nargs="+", default=[0.0625, 0.125, 0.25])
-    parser.add_argument("--paddings", nargs="+", choices=["valid", "same"], default=["valid", "same"])
+    parser.add_argument("--paddings", nargs="+", choices=DCNN_PADDINGS, default=list(DCNN_PADDINGS))
     parser.add_argument("--work", default=str(REPOSITORY / "results" / "fig6-padding"),
                         help="run outputs (models, caches)")
     parser.add_argument("--json", default=str(REPOSITORY / "docs" / "results" / "fig6_padding.json"))
