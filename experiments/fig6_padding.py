@@ -91,7 +91,8 @@ def table(rows):
              "|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["width"], r["padding"] != "valid", -r.get("classifier_pool", 1))):
         pool = r.get("classifier_pool", 1)
-        lines.append(f"| 1/{1 / r['width']:g} | {r['padding']} | {'-' if pool == 1 else f'{pool}x{pool}'} | "
+        width = "1" if r["width"] == 1 else f"1/{1 / r['width']:g}"
+        lines.append(f"| {width} | {r['padding']} | {'-' if pool == 1 else f'{pool}x{pool}'} | "
                      f"{r['classifier_d']:,} | "
                      f"{100 * r['test_accuracy']:.2f} | {100 * r['train_accuracy']:.2f} | {r['wall_s']:.0f} | "
                      f"{r['peak_rss_bytes'] / 2**30:.2f} |")

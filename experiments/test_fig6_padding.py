@@ -39,3 +39,5 @@ def test_rows_sort_by_padding_then_by_the_classifiers_width():
     lines = table([row(0.25, "same", 1, 0.6527), row(0.25, "valid", 1, 0.5554), row(0.25, "same", 2, 0.6516)])
     assert [line.split(" | ")[1:3] for line in lines[2:]] == [["valid", "-"], ["same", "2x2"], ["same", "-"]]
     assert "65.27" in lines[-1] and "55.54" in lines[2]
+    assert [line.split(" | ")[0] for line in table([row(1.0, "same", 2, 0.7), row(0.5, "same", 2, 0.68)])[2:]] == [
+        "| 1/2", "| 1"]
