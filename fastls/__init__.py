@@ -30,7 +30,8 @@ from ._core import (
 )
 from ._conv import WINOGRAD_MIN_CHANNELS, conv2d, conv2d_method, winograd_filters
 from ._select import DEFAULT_GRID, RidgePath
-from ._workspace import recycled_array
+from ._workspace import recycled_array, recycled_nbytes
+from ._workspace import release as release_recycled
 from ._threads import (
     FLOPS_PER_THREAD,
     available_cores,
@@ -70,6 +71,8 @@ __all__ = [
     "proximal_cost",
     "RidgePath",
     "recycled_array",
+    "release_recycled",
+    "recycled_nbytes",
     "DEFAULT_GRID",
     "matmul",
     "limit_cores",

@@ -17,7 +17,7 @@ import numpy as np
 
 from ._threads import run_spans, threads_for
 
-__all__ = ["recycled_array"]
+__all__ = ["recycled_array", "release", "recycled_nbytes"]
 
 _held = {}
 _lock = threading.Lock()
@@ -74,6 +74,12 @@ def release(key=None):
             _held.clear()
         else:
             _held.pop(key, None)
+
+
+def recycled_nbytes():
+    """Bytes of the arrays held for reuse, whether or not a caller still uses them."""
+    with _lock:
+        return sum(a.nbytes for a in _held.values())
 
 
 def _zero(out):

@@ -212,6 +212,11 @@ def _shared_cast(W, dtype):
     return cast
 
 
+#: The layer whose statistics the arrays recycled in this process (fastls.recycled_array) were
+#: last sized for; a client of another layer releases them first.
+_RECYCLED_FOR_LAYER = None
+
+
 def _remove_files(paths):
     for path in list(paths):
         path.unlink(missing_ok=True)
@@ -487,6 +492,12 @@ class Client:
             raise ValueError(f"client {self.client_id}: layer {position + 1} has no label code narrower than its "
                              f"{n_out} outputs, so X^T Y has no coordinates to upload; ask for X^T Z")
         width = self.bases[position].shape[0] if coordinates else n_out
+        global _RECYCLED_FOR_LAYER
+        if _RECYCLED_FOR_LAYER != layer_index:
+            # Arrays recycled for another layer have other shapes, so nothing would reuse them; held,
+            # layer 4's overlap products sat beside the two 8.6 GB Grams of a wide classifier.
+            fastls.release_recycled()
+            _RECYCLED_FOR_LAYER = layer_index
         # The previous client's uploads, once summed, lend their memory (first-touch zeroing of
         # fresh pages cost ~1 s per client at d = 18,433).
         G = fastls.recycled_array("fedlayer.statistics.G", (n_in, n_in), self.stat_dtype)

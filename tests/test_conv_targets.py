@@ -117,3 +117,20 @@ def test_position_codes_solve_on_their_stacked_codes(rng):
                                A.T @ client._row_targets(3, y) + chosen * client.meta_weights[3])
     condition = (np.linalg.eigvalsh(A @ A.T).max() + chosen) / chosen
     assert_close(W, expected, np.float64, rtol=100 * condition * np.finfo(np.float64).eps)
+
+
+def test_a_new_layer_releases_what_the_previous_layer_recycled(rng):
+    """Recycled arrays sized for one layer (G, C, overlap products) are not held beside the next layer's."""
+    fastls.release_recycled()
+    x, y = images(rng, 64)
+    model = build_model("dcnn", SHAPE, N_CLASSES, width=1 / 16, padding="same")
+    client = Client(0, client_data(x, y, np.arange(64)), model.config(), seed=2, n_classes=N_CLASSES)
+    last = len(client.model.trainable) - 1
+    for position in range(last):
+        G, C, _, _ = client._statistics(position, 64, None)
+        client.set_weights(position, np.linalg.solve(np.triu(G) + np.triu(G, 1).T + 10 * np.eye(len(G)), C))
+    # The last convolution's statistics recycled more than its G and C (the overlap's products).
+    assert fastls.recycled_nbytes() > G.nbytes + C.nbytes
+    del G, C
+    G, C, _, _ = client._statistics(last, 64, None)
+    assert fastls.recycled_nbytes() == G.nbytes + C.nbytes

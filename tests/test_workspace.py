@@ -86,3 +86,18 @@ def test_a_large_reused_array_is_zeroed_whole_within_the_core_limit(rng, monkeyp
         b = fastls.recycled_array("test", (97, 53))
     assert b.ctypes.data == address
     assert not b.any() and not np.isnan(b).any()
+
+
+def test_released_arrays_are_neither_counted_nor_handed_back(rng):
+    fastls.release_recycled()
+    a = fastls.recycled_array("one", (10, 10))
+    b = fastls.recycled_array("two", (5,), np.float32)
+    assert fastls.recycled_nbytes() == a.nbytes + b.nbytes == 820
+    a[...] = rng.standard_normal(a.shape)
+    address = a.ctypes.data
+    fastls.release_recycled("two")
+    assert fastls.recycled_nbytes() == a.nbytes
+    fastls.release_recycled()
+    assert fastls.recycled_nbytes() == 0
+    c = fastls.recycled_array("one", (10, 10))
+    assert not np.shares_memory(a, c) and c.ctypes.data != address and not c.any()
