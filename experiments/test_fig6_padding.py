@@ -1,5 +1,7 @@
 """The padding study's diagnostic model and its report table, on small shapes (no data needed)."""
 
+import json
+
 import numpy as np
 
 from fedlayer.models import build_model
@@ -41,3 +43,16 @@ def test_rows_sort_by_padding_then_by_the_classifiers_width():
     assert "65.27" in lines[-1] and "55.54" in lines[2]
     assert [line.split(" | ")[0] for line in table([row(1.0, "same", 2, 0.7), row(0.5, "same", 2, 0.68)])[2:]] == [
         "| 1/2", "| 1"]
+
+
+def test_fig6_report_states_the_full_width_padding_row_when_there_is_one(tmp_path):
+    from fig6_cifar import padding_sentence
+
+    rows = tmp_path / "fig6_padding.json"
+    assert "most likely" in padding_sentence(rows)
+    rows.write_text(json.dumps([{"width": 0.25, "padding": "same", "classifier_pool": 2, "test_accuracy": 0.6516,
+                                 "classifier_d": 8193},
+                                {"width": 1.0, "padding": "same", "classifier_pool": 2, "test_accuracy": 0.7021,
+                                 "classifier_d": 32769}]))
+    sentence = padding_sentence(rows)
+    assert "**70.21 %** at full width" in sentence and "32,769^2 Gram" in sentence and "65.16" not in sentence
