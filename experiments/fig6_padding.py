@@ -85,14 +85,18 @@ def train_cell(width, padding, pool, work):
             "wall_s": wall, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
+def width_label(width):
+    """A DCNN width as the tables print it: "1" or "1/16"."""
+    return "1" if width == 1 else f"1/{1 / width:g}"
+
+
 def table(rows):
     lines = ["| width | padding | pool before the classifier | classifier's d | test accuracy (%) | "
              "training accuracy (%) | wall (s) | peak RSS (GiB) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["width"], r["padding"] != "valid", -r.get("classifier_pool", 1))):
         pool = r.get("classifier_pool", 1)
-        width = "1" if r["width"] == 1 else f"1/{1 / r['width']:g}"
-        lines.append(f"| {width} | {r['padding']} | {'-' if pool == 1 else f'{pool}x{pool}'} | "
+        lines.append(f"| {width_label(r['width'])} | {r['padding']} | {'-' if pool == 1 else f'{pool}x{pool}'} | "
                      f"{r['classifier_d']:,} | "
                      f"{100 * r['test_accuracy']:.2f} | {100 * r['train_accuracy']:.2f} | {r['wall_s']:.0f} | "
                      f"{r['peak_rss_bytes'] / 2**30:.2f} |")
