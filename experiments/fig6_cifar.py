@@ -227,9 +227,9 @@ def padding_sentence(padding_rows, dual_rows=None):
         sentence += (" The paper's own model with 'same' padding, that run's convolutions (their training never sees "
                      f"the pool) with the unpooled {r['classifier_inputs']:,}-input classifier solved in the dual (a "
                      f"{r['train_rows']:,}^2 system, [fig6_dual_classifier.md](fig6_dual_classifier.md)), reaches "
-                     f"**{r['test_accuracy']:.2f} %**, {70.06 - r['test_accuracy']:.2f} points below the paper: "
+                     f"**{100 * r['test_accuracy']:.2f} %**, {70.06 - 100 * r['test_accuracy']:.2f} points below the paper: "
                      "about what the JPEG-rebuilt CIFAR copy was expected to cost. Its classifier fits "
-                     f"{r['train_accuracy']:.2f} % of the training rows; the pool regularizes it.")
+                     f"{100 * r['train_accuracy']:.2f} % of the training rows; the pool regularizes it.")
     return sentence
 
 

@@ -200,8 +200,8 @@ def report(rows):
         check = ("-" if ref is None else
                  f"convolutions {'identical' if ref['identical_convolutions'] else 'DIFFERENT'}, classifier "
                  f"relative difference {ref['relative_difference']:.1e}")
-        lines.append(f"| {width_label(r['width'])} | {r['classifier_inputs']:,} | {r['train_rows']:,} | {r['test_accuracy']:.2f} | "
-                     f"{r['train_accuracy']:.2f} | {s['forward_train']:.0f} | {s['gram']:.0f} | {s['solve']:.0f} | "
+        lines.append(f"| {width_label(r['width'])} | {r['classifier_inputs']:,} | {r['train_rows']:,} | "
+                     f"{100 * r['test_accuracy']:.2f} | {100 * r['train_accuracy']:.2f} | {s['forward_train']:.0f} | {s['gram']:.0f} | {s['solve']:.0f} | "
                      f"{s['weights']:.0f} | {s['test_evaluation']:.0f} | {s['wall']:.0f} | "
                      f"{r['peak_rss_gib']:.2f} | {check} |")
     return lines
@@ -245,8 +245,8 @@ def main(argv=None):
     figures = {
         "width": args.width, "gamma": args.gamma, "classifier_inputs": int(W.shape[0]),
         "train_rows": int(len(pooled.y_train)), "test_rows": int(total),
-        "test_accuracy": 100.0 * correct / total,
-        "train_accuracy": 100.0 * float((train_predictions == pooled.y_train).mean()),
+        "test_accuracy": correct / total,  # fractions, as in fig6_padding.json
+        "train_accuracy": float((train_predictions == pooled.y_train).mean()),
         "seconds": {"forward_train": forward_s, **seconds, "test_evaluation": evaluation_s,
                     "wall": time.perf_counter() - wall},
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,

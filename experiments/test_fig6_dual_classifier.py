@@ -63,10 +63,10 @@ def test_report_has_a_row_per_width_and_the_reference_check():
 
     seconds = {"forward_train": 33.0, "gram": 95.0, "solve": 245.0, "weights": 1.0, "test_evaluation": 10.0,
                "wall": 391.0}
-    rows = [{"width": 1.0, "classifier_inputs": 131073, "train_rows": 44963, "test_accuracy": 71.234,
-             "train_accuracy": 99.0, "seconds": seconds, "peak_rss_gib": 18.5},
-            {"width": 0.0625, "classifier_inputs": 8193, "train_rows": 44963, "test_accuracy": 59.952,
-             "train_accuracy": 72.7, "seconds": seconds, "peak_rss_gib": 17.97,
+    rows = [{"width": 1.0, "classifier_inputs": 131073, "train_rows": 44963, "test_accuracy": 0.71234,
+             "train_accuracy": 0.99, "seconds": seconds, "peak_rss_gib": 18.5},
+            {"width": 0.0625, "classifier_inputs": 8193, "train_rows": 44963, "test_accuracy": 0.59952,
+             "train_accuracy": 0.727, "seconds": seconds, "peak_rss_gib": 17.97,
              "reference": {"identical_convolutions": True, "relative_difference": 5.5e-5}}]
     table = [line for line in report(rows) if line.startswith("| 1")]
     assert [line.split(" | ")[0] for line in table] == ["| 1/16", "| 1"]
