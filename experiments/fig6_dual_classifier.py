@@ -201,8 +201,9 @@ def report(rows):
                  f"convolutions {'identical' if ref['identical_convolutions'] else 'DIFFERENT'}, classifier "
                  f"relative difference {ref['relative_difference']:.1e}")
         lines.append(f"| {width_label(r['width'])} | {r['classifier_inputs']:,} | {r['train_rows']:,} | "
-                     f"{100 * r['test_accuracy']:.2f} | {100 * r['train_accuracy']:.2f} | {s['forward_train']:.0f} | {s['gram']:.0f} | {s['solve']:.0f} | "
-                     f"{s['weights']:.0f} | {s['test_evaluation']:.0f} | {s['wall']:.0f} | "
+                     f"{100 * r['test_accuracy']:.2f} | {100 * r['train_accuracy']:.2f} | {s['forward_train']:.0f} | "
+                     f"{s['gram']:.0f} | {s['solve']:.0f} | {s['weights']:.0f} | {s['test_evaluation']:.0f} | "
+                     f"{s['wall']:.0f} | "
                      f"{r['peak_rss_gib']:.2f} | {check} |")
     return lines
 
