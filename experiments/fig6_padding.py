@@ -136,7 +136,10 @@ def main(argv=None):
                  "W [W ...]`: FedACnnL, 100 clients, Dirichlet 0.1, gamma 100, float32, 2 cores, label codes per "
                  f"output position. Each invocation adds or replaces its cells' rows in {path.name}; the table shows "
                  "them all. Rows with a pool before the classifier (`--classifier-pool P`) are a diagnostic model, "
-                 "not the paper's. Discussion: [fig6_notes.md](fig6_notes.md), \"Padding\".", ""]
+                 "not the paper's. The paper's 'same' DCNN at full width, which does not fit as a federated run, "
+                 "is evaluated with its classifier solved in the dual in "
+                 "[fig6_dual_classifier.md](fig6_dual_classifier.md). Discussion: [fig6_notes.md](fig6_notes.md), "
+                 "\"Padding\".", ""]
                 + table(rows), args.out)
     return 0
 
