@@ -23,7 +23,9 @@ that run without the pool:
   paper's model, not a federated protocol: it needs every training row in
   one place. The convolutions' forward passes run once; their outputs go to
   a memory-mapped file under ``--work`` (position-major, so that the n x n
-  Gram accumulates from contiguous blocks), removed at the end.
+  Gram accumulates from contiguous blocks), removed at the end. This is
+  ``fastls.proximal_solve_dual`` with M = 0, out of core: that function
+  takes X in memory, here 23.6 GB.
 
 ``--reference`` names a run of the unpooled model at a width where it fits
 (e.g. results/fig6-padding/same-0.0625/model.npz with the pooled 1/16 run as

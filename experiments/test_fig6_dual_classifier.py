@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+import fastls
 from fig6_dual_classifier import exact_model, solve_dual, write_features
 from fig6_padding import pool_before_classifier
 from test_fig6_padding import _Config, _Dataset, _build
@@ -56,6 +57,10 @@ def test_dual_solve_equals_the_primal_ridge_solve(positions, channels, n, dtype)
     np.testing.assert_allclose(W, W_primal, rtol=TOLERANCE[dtype],
                                atol=TOLERANCE[dtype] * 1e-2 * np.abs(W_primal).max())
     np.testing.assert_array_equal(train_predictions, (X @ W_primal).argmax(axis=1))
+    # fastls's in-memory dual (the proximal solve around M = 0) is the same solve
+    W_fastls = fastls.proximal_solve_dual(X, Y, gamma, np.zeros_like(W_primal))
+    np.testing.assert_allclose(W, W_fastls, rtol=TOLERANCE[dtype],
+                               atol=TOLERANCE[dtype] * 1e-2 * np.abs(W_primal).max())
 
 
 def test_report_has_a_row_per_width_and_the_reference_check():
