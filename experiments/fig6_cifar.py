@@ -218,7 +218,7 @@ def padding_sentence(padding_rows, dual_rows=None):
                 "is about 10 points more accurate at every width that fits this machine. With it the paper's model "
                 "needs a 137 GB classifier Gram at full width; the same network with a 2x2 pool before the classifier "
                 f"(a {full[0]['classifier_d']:,}^2 Gram) reaches **{100 * full[0]['test_accuracy']:.2f} %** at full "
-                "width, against the paper's 70.06 % ([fig6_padding.md](fig6_padding.md), "
+                f"width, against the paper's {PAPER['fedacnnl']:.2f} % ([fig6_padding.md](fig6_padding.md), "
                 "[fig6_notes.md](fig6_notes.md), \"Padding\").")
     dual = json.loads(dual_rows.read_text()) if dual_rows is not None and dual_rows.exists() else []
     dual = [r for r in dual if r["width"] == 1]
@@ -227,7 +227,8 @@ def padding_sentence(padding_rows, dual_rows=None):
         sentence += (" The paper's own model with 'same' padding, that run's convolutions (their training never sees "
                      f"the pool) with the unpooled {r['classifier_inputs']:,}-input classifier solved in the dual (a "
                      f"{r['train_rows']:,}^2 system, [fig6_dual_classifier.md](fig6_dual_classifier.md)), reaches "
-                     f"**{100 * r['test_accuracy']:.2f} %**, {70.06 - 100 * r['test_accuracy']:.2f} points below the paper: "
+                     f"**{100 * r['test_accuracy']:.2f} %**, "
+                     f"{PAPER['fedacnnl'] - 100 * r['test_accuracy']:.2f} points below the paper: "
                      "about what the JPEG-rebuilt CIFAR copy was expected to cost. Its classifier fits "
                      f"{100 * r['train_accuracy']:.2f} % of the training rows; the pool regularizes it.")
     return sentence

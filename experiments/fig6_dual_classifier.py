@@ -47,14 +47,13 @@ import numpy as np
 
 import fastls
 from dev_layout import REPOSITORY, emit_report, use_shared_data
+from fig6_classifier_gamma import FORWARD_BATCH, RUN_GAMMA
 from fig6_padding import width_label
 from fedlayer.models import Model, build_model
 from fedlayer.run import RunConfig, load_dataset, pooled_data
 
 FORWARD_IMAGES = 512  # images per forward step: 268 MB of full-width features
-FORWARD_BATCH = 256  # rows per layer inside one step (as fig6_classifier_gamma.py)
 GRAM_FEATURES = 8192  # feature rows per Gram update: 1.5 GB of float32 at n = 45,000
-RUN_GAMMA = 100.0
 
 
 def exact_model(pooled_model, width, n_classes):
