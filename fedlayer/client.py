@@ -583,22 +583,35 @@ class Client:
                 "parts": {"forward_s": forward_s, "stats_s": stats_s}}
 
     # -- secure sums (fedlayer.secure): the client's half of the protocol ------
-    def secure_keys(self):
-        """Start the secure protocol: a fresh X25519 key pair; returns the public key."""
+    def secure_keys(self, min_survivors=1):
+        """Start the secure protocol: a fresh X25519 key pair; returns the public key.
+
+        ``min_survivors``: the fewest clients of a sum this client reveals
+        shares for (:meth:`fedlayer.secure.SecureClientState.reveal`).
+        """
         from .secure import SecureClientState
 
-        self._secure = SecureClientState(self.client_id)
+        self._secure = SecureClientState(self.client_id, min_survivors)
         self._secure_pending = {}
         return {"public": self._secure.public_key()}
+
+    def secure_rekey(self):
+        """A new key pair after the server rebuilt this client's key; returns it and its shares per neighbour."""
+        start = time.perf_counter()
+        public, shares = self._secure.rekey()
+        return {"public": public, "shares": shares, "compute_s": time.perf_counter() - start}
 
     def secure_neighbours(self, public_keys):
         """The neighbours' public keys (cid -> bytes); returns this client's key shares, encrypted per neighbour."""
         return {"shares": self._secure.set_neighbours(public_keys)}
 
-    def secure_receive(self, shares):
-        """Encrypted shares addressed to this client (sender cid -> bytes), relayed by the server."""
+    def secure_receive(self, shares, public_keys=None):
+        """Encrypted shares addressed to this client (sender cid -> bytes), relayed by the server.
+
+        ``public_keys``: neighbours' new public keys (cid -> bytes) after :meth:`secure_rekey`.
+        """
         start = time.perf_counter()
-        self._secure.receive_shares(shares)
+        self._secure.receive_shares(shares, public_keys)
         return {"compute_s": time.perf_counter() - start}
 
     def secure_bound(self, position, batch_size, summed, round_index=0, target_moments=False, upper=(),

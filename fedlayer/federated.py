@@ -21,6 +21,7 @@ for the slowest client. See ``docs/design.md``.
 from __future__ import annotations
 
 import math
+import pickle
 import time
 from dataclasses import dataclass
 
@@ -157,7 +158,8 @@ def _secure_setup(transport, secure, group_of):
 
     Returns the bytes the clients uploaded for it (public keys and encrypted key shares).
     """
-    publics = {cid: result["public"] for cid, result in transport.call("secure_keys", {cid: {} for cid in group_of})}
+    publics = {cid: result["public"] for cid, result in transport.call(
+        "secure_keys", {cid: {"min_survivors": secure.min_group_size} for cid in group_of})}
     groups = {}
     for cid, k in group_of.items():
         groups.setdefault(k, []).append(cid)
@@ -165,25 +167,85 @@ def _secure_setup(transport, secure, group_of):
     secure.public = publics
     outgoing = {cid: result["shares"] for cid, result in transport.call(
         "secure_neighbours", {cid: {"public_keys": {nb: publics[nb] for nb in graph[cid]}} for cid in group_of})}
-    _relay(transport, secure, outgoing, group_of)
-    return sum(len(blob) for shares in outgoing.values() for blob in shares.values()) + 32 * len(publics)
+    _, failed = _relay(transport, secure, outgoing, group_of)
+    if failed:
+        from .secure import SecureAggregationError
+
+        raise SecureAggregationError(f"the key setup failed: client(s) {sorted(failed)} could not take their "
+                                     f"neighbours' key shares ({next(iter(failed.values()))})")
+    return sum(len(blob) for shares in outgoing.values() for blob in shares.values()) + sum(map(len, publics.values()))
 
 
-def _relay(transport, secure, outgoing, cids):
-    """Deliver encrypted shares (sender -> {receiver: bytes}) to ``cids``; returns each one's seconds receiving."""
+def _relay(transport, secure, outgoing, cids, public_keys=None):
+    """Deliver encrypted shares (sender -> {receiver: bytes}) to ``cids``.
+
+    ``public_keys`` (receiver -> {owner: new public key}) go with them.
+    Returns (each receiver's seconds receiving, receiver -> why it failed).
+    """
     incoming = secure.route(outgoing)
-    return {cid: r["compute_s"] for cid, r in transport.call(
-        "secure_receive", {c: {"shares": incoming.get(c, {})} for c in cids})}
+    public_keys = public_keys or {}
+    done = transport.sum("secure_receive", {c: {"shares": incoming.get(c, {}),
+                                                **({"public_keys": public_keys[c]} if c in public_keys else {})}
+                                            for c in cids}, ())
+    return {cid: r["compute_s"] for cid, r in done.receipts.items()}, done.dropped
+
+
+def _dropped_in(step, dropped):
+    return {cid: f"{step}: {why}" for cid, why in dropped.items()}
+
+
+def _new_keys(transport, secure, alive, protocol_s, context):
+    """Before a sum: new keys for the clients whose key the server rebuilt, and every pending key delivered.
+
+    A client whose key was rebuilt in an earlier sum (it dropped out after
+    masking) takes a new key pair before it masks again; each neighbour must
+    hold the new public key before it masks with that client, so a delivery
+    that fails is retried before the neighbour's next sum, and until then it
+    stays out of the sums. Returns the clients of ``alive`` that cannot take
+    part (cid -> why).
+    """
+    out = {}
+    stale = [c for c in alive if c in secure.rebuilt_keys]
+    if stale:
+        rekeyed = transport.sum("secure_rekey", {c: {} for c in stale}, ())
+        out.update(_dropped_in("secure_rekey", rekeyed.dropped))
+        for cid, r in rekeyed.receipts.items():
+            protocol_s[cid] += r["compute_s"]
+            secure.public[cid] = r["public"]
+            secure.rebuilt_keys.discard(cid)
+            secure.rekeyed.append({"sum": list(context), "client": int(cid)})
+            for receiver, blob in r["shares"].items():
+                secure.pending_keys.setdefault(int(receiver), {})[cid] = (r["public"], blob)
+    receivers = [c for c in alive if c in secure.pending_keys and c not in out]
+    if receivers:
+        outgoing = {}
+        for receiver in receivers:
+            for owner, (_, blob) in secure.pending_keys[receiver].items():
+                outgoing.setdefault(owner, {})[receiver] = blob
+        public_keys = {r: {owner: public for owner, (public, _) in secure.pending_keys[r].items()} for r in receivers}
+        seconds, failed = _relay(transport, secure, outgoing, receivers, public_keys)
+        for cid, value in seconds.items():
+            protocol_s[cid] += value
+            del secure.pending_keys[cid]
+        out.update(_dropped_in("secure_receive (new keys)", failed))
+    return out
 
 
 def _secure_sum(transport, secure, args, context, stat_dtype):
-    """A group's sums by the secure protocol (fedlayer.secure); returns a Sum with float totals.
+    """A group's sums by the secure protocol (fedlayer.secure); returns (Sum with float totals, withheld).
 
     1. each client computes its statistics and declares their magnitude exponent
        (a client that fails here has not masked anything: it simply drops out);
-    2. the server fixes the fixed-point scale; the remaining clients share a
-       fresh self mask with their neighbours and upload masked words;
-    3. the survivors reveal the shares the server needs to remove the masks.
+    2. clients whose key the server rebuilt take new ones (:func:`_new_keys`);
+    3. the server fixes the fixed-point scale; the remaining clients share a
+       fresh self mask with their neighbours and upload masked words; a client
+       that fails before its upload is left out of the masks, one that fails
+       in it is a dropout whose key the survivors reveal;
+    4. the survivors reveal the shares the server needs to remove the masks
+       (a survivor that fails to answer only withholds its own shares).
+
+    ``withheld`` is None, or why the sum was not unmasked: fewer survivors
+    than ``secure.min_group_size`` (the Sum then has no totals).
     """
     from .secure import FixedPoint, fraction_bits
     from .transport import Sum
@@ -191,51 +253,67 @@ def _secure_sum(transport, secure, args, context, stat_dtype):
     bound = transport.sum("secure_bound", {c: {**kwargs, "summed": list(UPLOADED), "upper": list(_UPPER)}
                                            for c, kwargs in args.items()}, ())
     alive = sorted(bound.receipts)
-    if not alive:
-        return Sum({}, {}, {}, bound.dropped)
-    frac_bits = fraction_bits([bound.receipts[c]["exponent"] for c in alive], len(alive))
+    dropped_before = dict(bound.dropped)
     protocol_s = dict.fromkeys(alive, 0.0)  # each client's time in the protocol's own steps
+    dropped_before.update(_new_keys(transport, secure, alive, protocol_s, context))
+    alive = [c for c in alive if c not in dropped_before]
+    if not alive:
+        return Sum({}, {}, {}, dropped_before), None
+    n_terms = len(alive)
+    frac_bits = fraction_bits([bound.receipts[c]["exponent"] for c in alive], n_terms)
+    self_masks = transport.sum("secure_self_mask", {c: {"context": context} for c in alive}, ())
+    dropped_before.update(_dropped_in("secure_self_mask", self_masks.dropped))
     outgoing = {}
-    for cid, r in transport.call("secure_self_mask", {c: {"context": context} for c in alive}):
+    for cid, r in self_masks.receipts.items():
         outgoing[cid] = r["shares"]
         protocol_s[cid] += r["compute_s"]
-    for cid, seconds in _relay(transport, secure, outgoing, alive).items():
-        protocol_s[cid] += seconds
-    position = args[alive[0]]["position"]
+    seconds, failed = _relay(transport, secure, outgoing, sorted(outgoing))
+    for cid, value in seconds.items():
+        protocol_s[cid] += value
+    dropped_before.update(_dropped_in("secure_receive (self-mask shares)", failed))
+    alive = [c for c in alive if c not in dropped_before]
+    position = args[next(iter(args))]["position"]
     upload = transport.sum("secure_upload", {c: {"position": position, "context": context, "frac_bits": frac_bits,
-                                                 "n_terms": len(alive), "members": alive} for c in alive},
+                                                 "n_terms": n_terms, "members": alive} for c in alive},
                            UPLOADED, dtype=np.uint64)
     survivors, dropped = sorted(upload.receipts), sorted(upload.dropped)
-    outcome = Sum({}, {}, {}, {**bound.dropped, **upload.dropped}, upload.transport)
-    if not survivors:
-        return outcome
-    revealed = {}
-    for cid, r in transport.call("secure_reveal", {c: {"context": context, "dropped": dropped, "survivors": survivors}
-                                                   for c in survivors}):
-        revealed[cid] = r["shares"]
-        protocol_s[cid] += r["compute_s"]
-    words = secure.unmask(context, upload.totals, survivors, dropped, revealed, secure.public)
-    code = FixedPoint(frac_bits, len(alive))
-    totals = {key: code.decode(w) for key, w in words.items()}
-    totals.update({key: unpack_upper(totals[key]) for key in _UPPER if key in totals})
-    totals = {key: (value.astype(stat_dtype, copy=False) if value.ndim else float(value))
-              for key, value in totals.items()}
-    if "rows" in totals:
-        totals["rows"] = int(round(totals["rows"]))
-    outcome.totals = totals
+    outcome = Sum({}, {}, {}, {**dropped_before, **_dropped_in("secure_upload", upload.dropped)}, upload.transport)
+    revealed_bytes = {}
     for cid in survivors:
         receipt = dict(bound.receipts[cid])
         receipt["compute_s"] += upload.receipts[cid]["compute_s"] + protocol_s[cid]
         receipt["frac_bits"] = frac_bits
         outcome.receipts[cid] = receipt
-        # The masked words, plus the protocol's own messages: the self-mask shares it sent and the shares it revealed.
+    if not survivors:
+        return outcome, None
+    withheld = None
+    if len(survivors) < secure.min_group_size:
+        withheld = (f"{len(survivors)} survivor(s) of the secure sum, fewer than min_group_size="
+                    f"{secure.min_group_size}: not unmasked")
+    else:
+        reveal = transport.sum("secure_reveal", {c: {"context": context, "dropped": dropped, "survivors": survivors}
+                                                 for c in survivors}, ())
+        revealed = {}
+        for cid, r in reveal.receipts.items():
+            revealed[cid] = r["shares"]
+            outcome.receipts[cid]["compute_s"] += r["compute_s"]
+            revealed_bytes[cid] = len(pickle.dumps(r["shares"], protocol=pickle.HIGHEST_PROTOCOL))
+        outcome.dropped.update(_dropped_in("secure_reveal (its upload is in the sum)", reveal.dropped))
+        words = secure.unmask(context, upload.totals, survivors, dropped, revealed, secure.public)
+        code = FixedPoint(frac_bits, n_terms)
+        totals = {key: code.decode(w) for key, w in words.items()}
+        totals.update({key: unpack_upper(totals[key]) for key in _UPPER if key in totals})
+        totals = {key: (value.astype(stat_dtype, copy=False) if value.ndim else float(value))
+                  for key, value in totals.items()}
+        if "rows" in totals:
+            totals["rows"] = int(round(totals["rows"]))
+        outcome.totals = totals
+    for cid in survivors:
+        # The masked words, plus the protocol's own messages: the self-mask shares it sent and the shares it
+        # revealed (pickled, as they travel under MPI).
         outcome.up_bytes[cid] = (upload.up_bytes[cid] + sum(len(blob) for blob in outgoing[cid].values())
-                                 + _SHARE_BYTES * len(revealed.get(cid, {})))
-    return outcome
-
-
-# A revealed Shamir share on the wire: its x (8 bytes), y in GF(2^521 - 1) (66 bytes) and what it is of (8 bytes).
-_SHARE_BYTES = 82
+                                 + revealed_bytes.get(cid, 0))
+    return outcome, withheld
 
 
 def _shareable(W, dtype):
@@ -397,6 +475,10 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         auto_gamma = layer_gamma == "auto"
         pooled_gamma = auto_gamma and gamma_scope == "all" and n_groups > 1
         pending, pooled = {}, None  # pooled gamma: each group's sums, and their total
+        # Secure sums with groups: a group left with too few survivors to unmask is solved on the
+        # total of the other groups' sums (those are unmasked anyway), so that total is kept.
+        keep_total = secure is not None and n_groups > 1
+        withheld = {}  # group -> why its secure sum was not unmasked
 
         def install(k, W):
             weights[k] = _shareable(W, weights_dtype)
@@ -411,14 +493,23 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
                           **({"target_moments": True} if auto_gamma else {}),
                           **({"coordinates": True} if coordinates else {})} for cid in members}
             # The transport returns the group's sums only (never one client's statistics).
+            why_withheld = None
             if secure is not None:
-                outcome = _secure_sum(transport, secure, args, (position, k), stat_dtype)
+                outcome, why_withheld = _secure_sum(transport, secure, args, (position, k), stat_dtype)
             else:
                 outcome = transport.sum("local_stats", args, UPLOADED, dtype=stat_dtype, upper=_UPPER)
             for cid, receipt in outcome.receipts.items():
                 log.arrived(cid, receipt["compute_s"], outcome.up_bytes[cid], parts=receipt.get("parts"))
             log.dropped.update(outcome.dropped)
             log.transport.update({f"group {k} {where}": v for where, v in outcome.transport.items()})
+            if why_withheld is not None:
+                if n_groups == 1:
+                    from .secure import SecureAggregationError
+
+                    raise SecureAggregationError(f"layer {position + 1}: {why_withheld}, and there is no other "
+                                                 f"group's sum to solve it on")
+                withheld[k] = why_withheld
+                continue
             if not outcome.receipts:
                 if outcome.dropped:
                     first = next(iter(outcome.dropped.items()))
@@ -432,15 +523,16 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
             zz_sum, rows_sum = float(outcome.totals.get("zz", 0.0)), int(outcome.totals.get("rows", 0))
             del outcome
             start = time.perf_counter()
-            if pooled_gamma:
-                # Solved below, with the gamma chosen on the sums over all groups.
-                pending[k] = (G_sum, C_sum)
+            if pooled_gamma or keep_total:
                 if pooled is None:
                     pooled = [np.zeros_like(G_sum), np.zeros_like(C_sum), 0.0, 0]
                 pooled[0] += G_sum
                 pooled[1] += C_sum
                 pooled[2] += zz_sum
                 pooled[3] += rows_sum
+            if pooled_gamma:
+                # Solved below, with the gamma chosen on the sums over all groups.
+                pending[k] = (G_sum, C_sum)
             elif auto_gamma:
                 chosen, path, log.selection[str(k) if n_groups > 1 else "all"] = _gcv_choice(
                     G_sum, C_sum, zz_sum, rows_sum, basis)
@@ -451,13 +543,30 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
                                               rhs_basis=basis))
             del G_sum, C_sum
             log.server_s += time.perf_counter() - start
-        if pending:
+        if withheld and pooled is None:
+            from .secure import SecureAggregationError
+
+            raise SecureAggregationError(f"layer {position + 1}: no group's secure sum could be unmasked ("
+                                         + "; ".join(f"group {k}: {why}" for k, why in sorted(withheld.items())) + ")")
+        if pending or withheld:
             start = time.perf_counter()
-            chosen, _, log.selection["all"] = _gcv_choice(*pooled, basis)
-            del pooled
+            chosen = layer_gamma
+            if pooled_gamma:
+                G_all = pooled[0].copy() if withheld else pooled[0]
+                chosen, _, log.selection["all"] = _gcv_choice(G_all, *pooled[1:], basis)
+                del G_all
+            elif auto_gamma and withheld:
+                chosen, _, log.selection["withheld"] = _gcv_choice(pooled[0].copy(), *pooled[1:], basis)
             for k, (G_k, C_k) in sorted(pending.items()):
                 install(k, fastls.ridge_solve(G_k, C_k, chosen, overwrite_g=True, overwrite_c=True, rhs_basis=basis))
             pending.clear()
+            if withheld:
+                # Each withheld group gets the layer solved on the other groups' total.
+                W_others = fastls.ridge_solve(pooled[0], pooled[1], chosen, overwrite_g=True, rhs_basis=basis)
+                for k, why in sorted(withheld.items()):
+                    install(k, W_others)
+                    log.withheld[k] = {"why": why, "solved_on": sorted(set(range(n_groups)) - set(withheld))}
+            pooled = None
             log.server_s += time.perf_counter() - start
         # Durations of this round drive the next round's batch sizes (eq. 7); a
         # client that dropped out keeps its batch size.
@@ -497,6 +606,8 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         start = time.perf_counter()
         rounds[-1]["accuracy"] = overall_accuracy(transport)
         rounds[-1]["eval_s"] = time.perf_counter() - start
+    if secure_record is not None:
+        secure_record["rekeyed"] = list(secure.rekeyed)  # clients that took a new mask key, before which sum
     return {
         "groups": {str(cid): k for cid, k in group_of.items()},
         **({"secure": secure_record} if secure_record else {}),

@@ -18,9 +18,13 @@ Protocol (all on ``COMM_WORLD``):
   (``{"op": "sum", ..., "keys", "dtype", "packed_keys"}``),
   per client a small ``receipt`` (its other entries) or ``dropped`` (its
   error), and after the rank's last client one ``partial``: the rank's own
-  sum of its clients' entries, sent without blocking (the rank goes on to its
-  next command while it travels). Rank 0 thus receives one set of matrices
-  per rank and sum (a sum is one group of one layer), not one per client.
+  sum of its clients' entries, sent without blocking. Rank 0 thus receives
+  one set of matrices per rank and sum (a sum is one group of one layer), not
+  one per client. The partial is complete only after the rank's last client
+  of the sum, and rank 0 sends the next command (the next group's sum) only
+  once it holds every rank's partial, because the server keeps one group's
+  sums at a time; so the send overlaps the rank's wait for that command, not
+  the work of another client.
   Otherwise an error header naming rank, client and exception, or
   ``{"op": "bye"}`` acknowledging a stop.
 
@@ -502,10 +506,16 @@ def _test_call_hook(cid, method):
         raise RuntimeError(f"injected failure of {method} for client {cid} (FEDLAYER_TEST_FAIL_CALL)")
 
 
-def _test_hooks(cid):
-    """Test-only failure injection in a sum (environment variables read by the worker)."""
+def _test_hooks(cid, method, kwargs):
+    """Test-only failure injection in a sum (environment variables read by the worker).
+
+    FEDLAYER_TEST_FAIL_CLIENT=cid fails the client in every sum;
+    FEDLAYER_TEST_FAIL_STEP=method:cid:position in that method's sum of that layer only.
+    """
     if os.environ.get("FEDLAYER_TEST_FAIL_CLIENT") == str(cid):
         raise RuntimeError(f"injected failure for client {cid} (FEDLAYER_TEST_FAIL_CLIENT)")
+    if os.environ.get("FEDLAYER_TEST_FAIL_STEP") == f"{method}:{cid}:{kwargs.get('position')}":
+        raise RuntimeError(f"injected failure of {method} for client {cid} (FEDLAYER_TEST_FAIL_STEP)")
     if os.environ.get("FEDLAYER_TEST_HANG_CLIENT") == str(cid):
         while True:
             time.sleep(3600)

@@ -12,10 +12,15 @@ neighbours of its group instead of all of them, so the work grows as n log n.
   client whose values do not fit its share of the range raises, it never wraps.
   Rounding costs at most 2^-(frac_bits+1) per client and entry
   (:meth:`FixedPoint.error_bound`).
-* **Keys.** X25519 key agreement, HKDF-SHA256 per purpose and sum (masks,
-  share encryption), masks from an AES-128-CTR keystream, shares encrypted
-  with ChaCha20-Poly1305 (all from the ``cryptography`` package; NumPy's
-  generators are not cryptographic and are never used for secrets).
+* **Keys.** Two X25519 key pairs per client, as in Bonawitz et al.: a mask
+  key (pairwise mask secrets; Shamir-shared, so that the server can rebuild
+  it when the client drops out) and a channel key (the AEAD keys of the
+  shares exchanged through the server; never shared, so a rebuilt mask key
+  opens none of the ciphertexts the server relayed). HKDF-SHA256 per purpose
+  and sum, masks from an AES-128-CTR keystream, shares encrypted with
+  ChaCha20-Poly1305 (all from the ``cryptography`` package; NumPy's
+  generators are not cryptographic and are never used for secrets). A
+  client's public key on the wire is its two public keys, mask key first.
 * **Masks.** Client i uploads x_i + PRG(b_i) + sum_{j in N(i), j > i} PRG(s_ij)
   - sum_{j in N(i), j < i} PRG(s_ij): the pairwise masks cancel in the sum,
   the self mask b_i (fresh per sum) is removed by the server with shares of
@@ -26,6 +31,17 @@ neighbours of its group instead of all of them, so the work grows as n log n.
   removes the masks s_ij of j's neighbours i. A client answers for a neighbour
   either with the share of its key (it dropped) or of its self mask (it
   survived), never both, so the server never holds both for one client.
+  The key is the run's, so "never both" must hold across sums too: a client
+  whose mask key the server rebuilt takes a new mask key pair before its next sum
+  (:meth:`SecureClientState.rekey`), and a neighbour that revealed a share of
+  a key refuses to reveal that owner's self mask until the owner's new key
+  has reached it. Otherwise the server would rebuild a client's pairwise
+  masks from the old key and its self mask from the shares of a later sum.
+* **Few survivors.** A sum over fewer than ``min_survivors`` clients would
+  show the server too much of each of them (over one, all of it): a client
+  reveals nothing for such a sum, and the server does not ask
+  (:func:`fedlayer.federated.run_protocol` solves that group's layer on
+  the other groups' sums instead).
 
 What the server still learns: the sum per group (the protocol's output), each
 client's sample count and busy time (eq. 7 needs them), and each client's
@@ -60,6 +76,16 @@ _KEY_BYTES = 32
 # most of a secure sum's cost, 1.3x faster than AES-256's 14 (9.9 against
 # 7.6 GB/s here).
 _MASK_KEY_BYTES = 16
+_PUBLIC_BYTES = 32  # one X25519 public key
+
+
+def _public_parts(bundle):
+    """(mask public key, channel public key) of a client's public key bundle."""
+    bundle = bytes(bundle)
+    if len(bundle) != 2 * _PUBLIC_BYTES:
+        raise SecureAggregationError(f"a public key bundle has {2 * _PUBLIC_BYTES} bytes (mask and channel "
+                                     f"X25519 keys), got {len(bundle)}")
+    return bundle[:_PUBLIC_BYTES], bundle[_PUBLIC_BYTES:]
 
 
 class SecureAggregationError(RuntimeError):
@@ -396,31 +422,38 @@ def _parse_share(plain, sender):
 class SecureClientState:
     """A client's secrets and the shares it holds for its neighbours; lives with the client only."""
 
-    def __init__(self, cid):
+    def __init__(self, cid, min_survivors=1):
         self.cid = int(cid)
-        self._private = _crypto().X25519PrivateKey.generate()
+        self.min_survivors = int(min_survivors)
+        self._private = _crypto().X25519PrivateKey.generate()   # the mask key (shared, may be rebuilt)
         self._key_secret = self._private.private_bytes_raw()
+        self._channel = _crypto().X25519PrivateKey.generate()   # the channel key (never leaves this client)
         self.neighbours = []
-        self._public = {}        # neighbour -> its public key bytes
+        self._public = {}        # neighbour -> its public key bundle (mask key, channel key)
         self._held = {}          # (owner, what, context) -> (x, y) share it holds for the owner
         self._self_masks = {}    # context -> b_i
         self._answered = {}      # (owner, context) -> "key" or "self": what it revealed for the owner
-        self._agreed = {}        # neighbour -> X25519 shared secret (one exchange per pair and run)
-        self._ciphers = {}       # neighbour -> the AEAD of the shares exchanged with it (one key per pair and run)
+        self._agreed = {}        # neighbour -> mask-key shared secret (one exchange per pair of mask keys)
+        self._ciphers = {}       # neighbour -> the AEAD of the shares exchanged with it (channel keys)
+        self._key_given = {}     # owner -> sum in which this client revealed its share of the owner's current key
 
     def public_key(self):
-        return self._private.public_key().public_bytes_raw()
+        """The public key bundle: the mask key's public key, then the channel key's (64 bytes)."""
+        return (self._private.public_key().public_bytes_raw()
+                + self._channel.public_key().public_bytes_raw())
 
     def _shared(self, other):
         if other not in self._agreed:
-            public = _crypto().X25519PublicKey.from_public_bytes(self._public[other])
-            self._agreed[other] = self._private.exchange(public)
+            mask_public, _ = _public_parts(self._public[other])
+            self._agreed[other] = self._private.exchange(_crypto().X25519PublicKey.from_public_bytes(mask_public))
         return self._agreed[other]
 
     def _aead(self, other):
         # Derived once per pair: every round's shares are sealed under it with a fresh random nonce.
         if other not in self._ciphers:
-            self._ciphers[other] = _crypto().ChaCha20Poly1305(_derive(self._shared(other), b"shares"))
+            _, channel_public = _public_parts(self._public[other])
+            shared = self._channel.exchange(_crypto().X25519PublicKey.from_public_bytes(channel_public))
+            self._ciphers[other] = _crypto().ChaCha20Poly1305(_derive(shared, b"shares"))
         return self._ciphers[other]
 
     def set_neighbours(self, public_keys):
@@ -429,6 +462,18 @@ class SecureClientState:
         self._public = {int(c): bytes(k) for c, k in public_keys.items()}
         self._agreed, self._ciphers = {}, {}
         return self._encrypted_shares(self._key_secret, "key", None)
+
+    def rekey(self):
+        """A new mask key, after the server rebuilt the old one; returns (public key bundle, its shares per neighbour).
+
+        Every pairwise mask secret changes with it; the neighbours must receive
+        the new public key (:meth:`receive_shares`) before they mask with this
+        client again. The channel key stays: the shares travel as before.
+        """
+        self._private = _crypto().X25519PrivateKey.generate()
+        self._key_secret = self._private.private_bytes_raw()
+        self._agreed = {}
+        return self.public_key(), self._encrypted_shares(self._key_secret, "key", None)
 
     def _encrypted_shares(self, secret, what, context):
         t = threshold(len(self.neighbours))
@@ -440,8 +485,28 @@ class SecureClientState:
             out[other] = nonce + self._aead(other).encrypt(nonce, plain, None)
         return out
 
-    def receive_shares(self, ciphertexts):
-        """Sender -> ciphertext addressed to this client: decrypted and kept."""
+    def receive_shares(self, ciphertexts, public_keys=None):
+        """Sender -> ciphertext addressed to this client: decrypted and kept.
+
+        ``public_keys``: neighbour -> its new public key bundle (after
+        :meth:`rekey`), taken first: its mask secret with this client and the
+        share of its old mask key are dropped, and its ciphertext here must be
+        the new key's share. A bundle whose channel key changed is refused.
+        """
+        senders = {int(c) for c in ciphertexts}
+        for owner, public in (public_keys or {}).items():
+            owner = int(owner)
+            if owner not in self._public:
+                raise SecureAggregationError(f"client {self.cid}: a new key for {owner}, which is not a neighbour")
+            if owner not in senders:
+                raise SecureAggregationError(f"client {self.cid}: client {owner}'s new key came without its share")
+            if _public_parts(public)[1] != _public_parts(self._public[owner])[1]:
+                raise SecureAggregationError(f"client {self.cid}: client {owner}'s new key bundle changes its "
+                                             "channel key; refused")
+            self._public[owner] = bytes(public)
+            self._agreed.pop(owner, None)
+            self._held.pop((owner, "key", None), None)
+            self._key_given.pop(owner, None)
         for sender, blob in ciphertexts.items():
             sender = int(sender)
             if sender not in self._public:
@@ -496,18 +561,39 @@ class SecureClientState:
         return {key: flat[a:b].reshape(shapes[key]) for key, (a, b) in offsets.items()}
 
     def reveal(self, context, dropped, survivors):
-        """Shares for the server: of the key of each dropped neighbour, of the self mask of each surviving one."""
-        out = {}
+        """Shares for the server: of the key of each dropped neighbour, of the self mask of each surviving one.
+
+        Refuses (:class:`SecureAggregationError`, nothing revealed) a sum of
+        fewer than ``min_survivors`` clients, both secrets of one client in
+        one sum, and the self mask of a client whose current key it already
+        revealed.
+        """
+        if len(survivors) < self.min_survivors:
+            raise SecureAggregationError(
+                f"client {self.cid}: sum {context} has {len(survivors)} survivor(s), fewer than the "
+                f"{self.min_survivors} it reveals shares for (the sum would show each of them); refused")
+        asked = []
         for owner in self.neighbours:
             if owner in dropped:
                 what, share_context = "key", None
             elif owner in survivors:
                 what, share_context = "self", context
+                if owner in self._key_given:
+                    raise SecureAggregationError(
+                        f"client {self.cid}: asked for the self mask of client {owner} in sum {context}, whose "
+                        f"mask key it revealed in sum {self._key_given[owner]} (client {owner} has no new key "
+                        "since); refused")
             else:
                 continue
-            if self._answered.setdefault((owner, context), what) != what:
+            if self._answered.get((owner, context), what) != what:
                 raise SecureAggregationError(f"client {self.cid}: the server asked for both secrets of client "
                                              f"{owner} in sum {context}; refused")
+            asked.append((owner, what, share_context))
+        out = {}
+        for owner, what, share_context in asked:  # checked whole first: a refusal reveals nothing
+            self._answered[(owner, context)] = what
+            if what == "key":
+                self._key_given.setdefault(owner, context)
             share = self._held.get((owner, what, share_context))
             if share is not None:
                 out[owner] = (what, share)
@@ -531,6 +617,9 @@ class SecureServer:
         self.min_group_size = int(min_group_size)
         self.graph = {}
         self.public = {}
+        self.rebuilt_keys = set()  # clients whose current mask key the server rebuilt: they take a new one next
+        self.pending_keys = {}     # receiver -> {owner: (new public key bundle, its encrypted share)} not yet delivered
+        self.rekeyed = []          # {"sum": context, "client": cid}: who took a new mask key before which sum
 
     def plan(self, groups):
         """groups: group -> member cids. Neighbours are chosen within each group (sums are per group)."""
@@ -558,6 +647,9 @@ class SecureServer:
         revealed : dict revealer -> {owner: (what, share)}
         public : dict cid -> public key bytes
         """
+        if len(survivors) < self.min_group_size:
+            raise SecureAggregationError(f"sum {context}: {len(survivors)} survivor(s), fewer than min_group_size="
+                                         f"{self.min_group_size}; not unmasked")
         shapes = {key: np.shape(w) for key, w in masked.items()}
         offsets, n_words = _layout(shapes)
         flat = np.empty(n_words, dtype=np.uint64)
@@ -575,10 +667,12 @@ class SecureServer:
         crypto = _crypto()
         for cid in dropped:
             key_secret = self._rebuild(by_owner, cid, "key")
+            self.rebuilt_keys.add(int(cid))
             private = crypto.X25519PrivateKey.from_private_bytes(key_secret)
             for other in self.graph.get(cid, []):
                 if other in survivors_set:
-                    shared = private.exchange(crypto.X25519PublicKey.from_public_bytes(public[other]))
+                    mask_public, _ = _public_parts(public[other])
+                    shared = private.exchange(crypto.X25519PublicKey.from_public_bytes(mask_public))
                     # Survivor `other` added sign(cid - other) PRG(s); take it back out.
                     pairs.append((_mask_key(shared, b"mask", context), -1 if cid > other else +1))
         _add_masks(flat, pairs)

@@ -64,6 +64,7 @@ class RoundLog:
         self.selection = {}  # "all" or a group -> the server's choice of gamma (criterion, grid, scores)
         self.chosen = {}     # cid -> a client's own choice (eps and its criterion)
         self.dropped = {}    # cid -> why the client is not in this round's sums
+        self.withheld = {}   # group -> why its secure sum was not unmasked, and the groups it was solved on
         self.transport = {}  # the transport's own measurements, recorded as they are
         self.up_bytes = self.down_bytes = 0
 
@@ -109,6 +110,7 @@ class RoundLog:
             "bytes_down": self.down_bytes,
             **({"selection": {str(k): v for k, v in self.selection.items()}} if self.selection else {}),
             **({"dropped": {str(cid): why for cid, why in sorted(self.dropped.items())}} if self.dropped else {}),
+            **({"withheld": {str(k): v for k, v in sorted(self.withheld.items())}} if self.withheld else {}),
             **({"transport": self.transport} if self.transport else {}),
             "clients": clients,
         }

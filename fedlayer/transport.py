@@ -166,8 +166,8 @@ class Transport(ABC):
 def client_side_sum(clients, method, args, keys, dtype, hooks=None, done=None, upper=()):
     """Run and fold clients in this process: the rank-local part of a sum (in process: the whole sum).
 
-    Returns (totals, receipts, up_bytes, dropped). ``hooks(cid)`` (optional)
-    runs before each client (test fault injection on MPI ranks);
+    Returns (totals, receipts, up_bytes, dropped). ``hooks(cid, method, kwargs)``
+    (optional) runs before each client (test fault injection on MPI ranks);
     ``done(cid, receipt, up_bytes, dropped_reason)`` (optional) after each
     (receipt and bytes None for a dropout, the reason None otherwise).
     """
@@ -179,7 +179,7 @@ def client_side_sum(clients, method, args, keys, dtype, hooks=None, done=None, u
             raise KeyError(f"no client with id {cid}") from None
         try:
             if hooks is not None:
-                hooks(cid)
+                hooks(cid, method, kwargs)
             result = getattr(client, method)(**kwargs)
             summed = {key: result[key] for key in keys if key in result}
         except MemoryError:

@@ -27,8 +27,8 @@ pytestmark = [
 ]
 
 SMALL = ["--clients", "12", "--groups", "3", "--model", "dnn", "--seed", "0"]
-_TEST_VARS = ("FEDLAYER_TEST_FAIL_CLIENT", "FEDLAYER_TEST_FAIL_CALL", "FEDLAYER_TEST_HANG_CLIENT", "FEDLAYER_MPI_CHUNK_BYTES",
-              "FEDLAYER_MPI_PACK_UPPER")
+_TEST_VARS = ("FEDLAYER_TEST_FAIL_CLIENT", "FEDLAYER_TEST_FAIL_CALL", "FEDLAYER_TEST_FAIL_STEP",
+              "FEDLAYER_TEST_HANG_CLIENT", "FEDLAYER_MPI_CHUNK_BYTES", "FEDLAYER_MPI_PACK_UPPER")
 
 
 def _env(**extra):
@@ -119,6 +119,24 @@ def test_client_failure_is_a_dropout(tmp_path):
     assert federated and all(r["dropped"] == {"5": "RuntimeError: injected failure for client 5 "
                                                     "(FEDLAYER_TEST_FAIL_CLIENT)"} for r in federated)
     assert all("5" not in r["clients"] for r in federated)
+
+
+def test_a_secure_dropout_after_masking_rekeys_and_matches_the_plain_run(tmp_path):
+    # Client 5 (rank 2) fails in its masked upload of layer 1 only: the server rebuilds its mask key, and
+    # it takes a new one on its rank before layer 2. The model equals the plain run where it misses layer 1.
+    runs = {}
+    for name, extra, step in (("secure", ["--secure"], "secure_upload:5:0"), ("plain", [], "local_stats:5:0")):
+        out = tmp_path / name
+        proc = mpirun(["--algorithm", "fedacnnl", *SMALL, *extra, "--quiet", "--output", str(out)], timeout=120,
+                      FEDLAYER_TEST_FAIL_STEP=step)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = json.loads((out / "results.json").read_text())
+    federated = [r for r in runs["secure"]["rounds"].values() if r["stage"] == "federated"]
+    assert federated[0]["dropped"] == {"5": "secure_upload: RuntimeError: injected failure of secure_upload for "
+                                            "client 5 (FEDLAYER_TEST_FAIL_STEP)"}
+    assert all("dropped" not in r and "5" in r["clients"] for r in federated[1:])
+    assert runs["secure"]["secure"]["rekeyed"] == [{"sum": [1, 0], "client": 5}]
+    assert runs["secure"]["accuracy"] == runs["plain"]["accuracy"]
 
 
 def test_client_error_outside_a_sum_ends_the_job_naming_it():

@@ -259,6 +259,7 @@ def test_an_authentic_share_of_the_wrong_form_is_refused(plain):
 def test_too_many_dropouts_name_the_threshold(rng):
     cids = list(range(4))
     states, server = _setup(cids)
+    server.min_group_size = 1  # the threshold, not the survivors' count, is what fails here
     code = FixedPoint(36, 4)
     data = {c: rng.standard_normal(3) for c in cids}
     _, total = _masked_sum(states, server, (0, 0), data, [0], [1, 2, 3], code)
@@ -266,6 +267,65 @@ def test_too_many_dropouts_name_the_threshold(rng):
     with pytest.raises(SecureAggregationError, match=r"of its neighbours revealed a share .* are needed .* too many of "
                                                      r"them dropped out"):
         server.unmask((0, 0), {"G": total}, [0], [1, 2, 3], revealed, server.public)
+
+
+def test_a_sum_of_too_few_survivors_is_neither_revealed_nor_unmasked(rng):
+    cids = list(range(6))
+    states, server = _setup(cids)
+    for state in states.values():
+        state.min_survivors = 3
+    code = FixedPoint(36, 6)
+    data = {c: rng.standard_normal(3) for c in cids}
+    survivors, dropped = [0, 1], [2, 3, 4, 5]
+    _, total = _masked_sum(states, server, (0, 0), data, survivors, dropped, code)
+    for c in survivors:
+        with pytest.raises(SecureAggregationError, match=r"2 survivor\(s\), fewer than the 3 it reveals shares for"):
+            states[c].reveal((0, 0), set(dropped), set(survivors))
+    with pytest.raises(SecureAggregationError, match=r"2 survivor\(s\), fewer than min_group_size=3; not unmasked"):
+        server.unmask((0, 0), {"G": total}, survivors, dropped, {}, server.public)
+
+
+def test_a_rebuilt_mask_key_is_replaced_before_its_owner_is_unmasked_again(rng):
+    """Client 3 drops out of sum 1 after masking (the server rebuilds its mask key); in sum 2 it survives.
+
+    Its neighbours refuse its self mask while its key is the rebuilt one; after it takes a new mask key
+    (relayed with its share) they reveal, the sum is right, and the old key no longer removes its masks.
+    """
+    from fedlayer.secure import _mask_key, _public_parts
+
+    cids = list(range(8))
+    states, server = _setup(cids)
+    code = FixedPoint(36, len(cids))
+    data = {c: rng.standard_normal(4) for c in cids}
+    survivors = [c for c in cids if c != 3]
+    _, total = _masked_sum(states, server, (0, 0), data, survivors, [3], code)
+    revealed = {c: states[c].reveal((0, 0), {3}, set(survivors)) for c in survivors}
+    server.unmask((0, 0), {"G": total}, survivors, [3], revealed, server.public)
+    assert server.rebuilt_keys == {3}
+    old_public = server.public[3]
+    # Sum 2, client 3 back without a new key: its neighbours refuse to reveal its self mask.
+    uploads, total = _masked_sum(states, server, (1, 0), data, cids, [], code)
+    neighbour = server.graph[3][0]
+    with pytest.raises(SecureAggregationError, match="whose mask key it revealed in sum \\(0, 0\\)"):
+        states[neighbour].reveal((1, 0), set(), set(cids))
+    # Sum 3, after client 3 took a new mask key and its neighbours received it.
+    old_key = states[3]._key_secret
+    public, shares = states[3].rekey()
+    assert _public_parts(public)[1] == _public_parts(old_public)[1]  # the channel key stays
+    for receiver, blob in shares.items():
+        states[receiver].receive_shares({3: blob}, public_keys={3: public})
+    server.public[3] = public
+    _, total = _masked_sum(states, server, (2, 0), data, cids, [], code)
+    revealed = {c: states[c].reveal((2, 0), set(), set(cids)) for c in cids}
+    plain = server.unmask((2, 0), {"G": total}, cids, [], revealed, server.public)
+    assert np.abs(code.decode(plain["G"]) - sum(data.values())).max() <= code.error_bound()
+    # What the server rebuilt in sum 1 no longer gives client 3's pairwise masks.
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+
+    mask_public = _public_parts(server.public[neighbour])[0]
+    stale = X25519PrivateKey.from_private_bytes(old_key).exchange(X25519PublicKey.from_public_bytes(mask_public))
+    assert states[3]._shared(neighbour) == states[neighbour]._shared(3) != stale
+    assert _mask_key(stale, b"mask", (2, 0)) != _mask_key(states[3]._shared(neighbour), b"mask", (2, 0))
 
 
 # ---------------------------------------------------------------------------
@@ -295,6 +355,112 @@ def test_secure_weights_equal_the_plain_ones_to_the_rounding(rng, name, options)
         assert a.get("dropped") == b.get("dropped")
     if options:
         assert any(r.get("dropped") for r in secure["rounds"])
+
+
+class _FailingClient(Client):
+    """A client that raises in the named protocol steps: ``fail`` holds (method, layer position) pairs."""
+
+    def __init__(self, *args, fail=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fail, self.calls = set(fail), []
+
+    def _step(self, method, position):
+        self.calls.append((method, position))
+        if (method, position) in self.fail:
+            raise RuntimeError(f"client {self.client_id}: injected failure in {method}, layer {position + 1}")
+
+    def local_stats(self, position, *args, **kwargs):
+        self._step("local_stats", position)
+        return super().local_stats(position, *args, **kwargs)
+
+    def secure_self_mask(self, context):
+        self._step("secure_self_mask", context[0])
+        return super().secure_self_mask(context)
+
+    def secure_upload(self, position, *args, **kwargs):
+        self._step("secure_upload", position)
+        return super().secure_upload(position, *args, **kwargs)
+
+    def secure_reveal(self, context, *args, **kwargs):
+        self._step("secure_reveal", context[0])
+        return super().secure_reveal(context, *args, **kwargs)
+
+    def secure_rekey(self):
+        self._step("secure_rekey", None)
+        return super().secure_rekey()
+
+
+def _failing_clients(seed, n_clients, fail):
+    rng = np.random.default_rng(seed)
+    x, y = make_data(rng, n=300)
+    parts = np.array_split(rng.permutation(300), n_clients)
+    return [_FailingClient(i, client_data(x, y, p), dnn_config(x.shape[1]), seed=3, n_classes=N_CLASSES,
+                           fail=fail.get(i, ())) for i, p in enumerate(parts)]
+
+
+def _assert_same_weights(plain, secure):
+    for k in plain["group_weights"]:
+        for W, V in zip(plain["group_weights"][k], secure["group_weights"][k], strict=True):
+            assert_close(V, W, np.float64, rtol=1e-9)
+
+
+def test_a_client_that_drops_out_after_masking_takes_a_new_key_before_it_masks_again(rng):
+    # Client 4 fails in its masked upload of layer 1: the server rebuilds its mask key from its
+    # neighbours' shares. It is back in layers 2 and 3, after taking a new key (once); every layer
+    # equals the plain run in which it misses layer 1.
+    seed = int(rng.integers(2**31))
+    plain = run_protocol(InProcessTransport(_failing_clients(seed, 9, {4: {("local_stats", 0)}})), 3,
+                         VARIANTS["fedacnnl"], batch_size=7)
+    clients = _failing_clients(seed, 9, {4: {("secure_upload", 0)}})
+    server = SecureServer(seed=5)
+    secure = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], batch_size=7, secure=server)
+    _assert_same_weights(plain, secure)
+    assert "secure_upload" in secure["rounds"][0]["dropped"]["4"]
+    assert [r.get("dropped") for r in secure["rounds"][1:]] == [None, None]
+    assert clients[4].calls.count(("secure_rekey", None)) == 1
+    assert secure["secure"]["rekeyed"] == [{"sum": [1, 0], "client": 4}]
+    assert all(("secure_rekey", None) not in c.calls for c in clients if c.client_id != 4)
+    assert server.rebuilt_keys == set() and server.pending_keys == {}
+    # Its neighbours hold its new key now.
+    for other in server.graph[4]:
+        assert clients[other]._secure._public[4] == server.public[4] == clients[4]._secure.public_key()
+
+
+def test_failures_in_every_step_of_a_secure_sum_are_dropouts(rng):
+    # Layer 1: client 2 fails sharing its self mask (left out before anyone masks with it).
+    # Layer 2: client 5 fails revealing its shares (its upload is in the sum; the others' shares suffice).
+    seed = int(rng.integers(2**31))
+    plain = run_protocol(InProcessTransport(_failing_clients(seed, 9, {2: {("local_stats", 0)}})), 3,
+                         VARIANTS["fedacnnl"], batch_size=7)
+    secure = run_protocol(InProcessTransport(_failing_clients(seed, 9, {2: {("secure_self_mask", 0)},
+                                                                        5: {("secure_reveal", 1)}})), 3,
+                          VARIANTS["fedacnnl"], batch_size=7, secure=SecureServer(seed=5))
+    _assert_same_weights(plain, secure)
+    assert secure["rounds"][0]["dropped"]["2"].startswith("secure_self_mask: RuntimeError")
+    assert secure["rounds"][1]["dropped"]["5"].startswith("secure_reveal (its upload is in the sum): RuntimeError")
+    assert "5" in secure["rounds"][1]["clients"]
+
+
+def test_a_group_with_too_few_survivors_is_solved_on_the_other_groups_sums():
+    seed = 1  # a draw whose clients K-means splits 5 / 7 (others may leave one group after merging)
+    groups = run_protocol(InProcessTransport(_failing_clients(seed, 12, {})), 1, VARIANTS["pfedacnnl-wp"],
+                          batch_size=7, groups=2, secure=SecureServer(seed=5))["groups"]
+    members = sorted(int(c) for c, k in groups.items() if k == 0)
+    assert set(groups.values()) == {0, 1} and len(members) >= 3
+    lost = {cid: {("local_stats", 0)} for cid in members[2:]}  # two of group 0 survive layer 1
+    result = run_protocol(InProcessTransport(_failing_clients(seed, 12, lost)), 2, VARIANTS["pfedacnnl-wp"],
+                          batch_size=7, groups=2, secure=SecureServer(seed=5))
+    assert result["groups"] == groups
+    first = result["rounds"][1]
+    assert first["withheld"] == {"0": {"why": "2 survivor(s) of the secure sum, fewer than min_group_size=3: "
+                                              "not unmasked", "solved_on": [1]}}
+    np.testing.assert_array_equal(result["group_weights"][0][0], result["group_weights"][1][0])
+    assert "withheld" not in result["rounds"][2]
+    assert not np.array_equal(result["group_weights"][0][1], result["group_weights"][1][1])
+    # With one group there is no other sum: the run stops and says why.
+    with pytest.raises(SecureAggregationError, match=r"layer 1: 2 survivor\(s\) .* no other group's sum"):
+        run_protocol(InProcessTransport(_failing_clients(seed, 5, {c: {("local_stats", 0)} for c in (0, 1, 2)})),
+                     1, VARIANTS["fedacnnl"], batch_size=7, secure=SecureServer(seed=5))
 
 
 def test_small_groups_merge_into_the_nearest():
