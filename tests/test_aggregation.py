@@ -1,5 +1,8 @@
 """The server's one question, the sum of statistics over clients: transports, dropouts, per-rank sums."""
 
+import re
+import time
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -144,6 +147,45 @@ def test_missing_the_round_deadline_is_a_dropout(rng):
         clients[0].local_stats(0, 64)
     with pytest.raises(AllClientsDropped, match=r"every client of group 0 dropped out of layer 1 \(3: \[0, 1, 2\]\)"):
         run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"])
+
+
+class _SlowClient(Client):
+    """A client that straggles (sleeps ``delay_s``) or fails (``fail``) in the statistics of one layer."""
+
+    def __init__(self, *args, slow_layer=0, delay_s=0.0, fail=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.slow_layer, self.delay_s, self.fail = slow_layer, delay_s, fail
+
+    def _statistics(self, position, *args, **kwargs):
+        if position == self.slow_layer:
+            if self.fail:
+                raise ClientDropout(f"client {self.client_id}: failed in layer {position + 1}")
+            time.sleep(self.delay_s)
+        return super()._statistics(position, *args, **kwargs)
+
+
+def test_only_the_clients_past_the_round_deadline_drop_out_of_that_round(rng):
+    # Clients 1 and 3 straggle in layer 2 by 0.5 s against a 0.25 s deadline (the others need a few ms
+    # here): they miss that round only, and the model equals the run in which they fail in it.
+    x, y = make_data(rng, n=240)
+    parts = np.array_split(rng.permutation(240), 5)
+
+    def run(slow, deadline=None, **straggling):
+        clients = [_SlowClient(i, client_data(x, y, p), dnn_config(x.shape[1]), seed=3, n_classes=N_CLASSES,
+                               slow_layer=1, round_deadline_s=deadline, **(straggling if i in slow else {}))
+                   for i, p in enumerate(parts)]
+        return run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], batch_size=16)
+
+    late = run({1, 3}, deadline=0.25, delay_s=0.5)
+    rounds = late["rounds"]
+    assert "dropped" not in rounds[0] and "dropped" not in rounds[2]
+    assert sorted(rounds[1]["dropped"]) == ["1", "3"]
+    for why in rounds[1]["dropped"].values():
+        assert re.fullmatch(r"ClientDropout: client [13]: busy 0\.5\d+ s in layer 2, past the round deadline of "
+                            r"0\.25 s", why), why
+    failed = run({1, 3}, fail=True)
+    for W, V in zip(failed["group_weights"][0], late["group_weights"][0], strict=True):
+        np.testing.assert_allclose(V, W, rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.0, 1.5])
