@@ -120,7 +120,9 @@ def render(store, command):
             detail += f"; eps ({'/'.join(first['eps_criteria'])}) quartiles over clients and seeds: {spread}"
         details.append(detail)
     lines += ["", "*extra compute*: the auto runs' clients' compute plus server solves, summed over the run and "
-              "the seeds, against the fixed runs' (target <= 10 %).", "", "## The choices", ""] + details
+              "the seeds, against the fixed runs' (target <= 10 %).", "",
+              "Discussion, the cost re-measured and the CIFAR-10 DCNN: "
+              "[auto_regularization_notes.md](auto_regularization_notes.md).", "", "## The choices", ""] + details
     return "\n".join(lines) + "\n"
 
 

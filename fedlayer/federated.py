@@ -349,7 +349,7 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         layer's GCV scores the fit of random label codes: on the CIFAR-10
         DCNN, ``gamma="auto"`` on every layer lost 0.9 point to 100 at width
         1/2, and ``gamma_output="auto"`` stayed within -0.06 / +0.29 at
-        every width (docs/results/auto_regularization.md).
+        every width (docs/results/auto_regularization_notes.md).
     gamma_scope : {"all", "group"}, default="all"
         With ``gamma="auto"`` and several groups: one gamma per layer from
         the sums over all groups (the server then holds every group's sums
