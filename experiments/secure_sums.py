@@ -201,11 +201,17 @@ def main():
         print("dropouts:", report["dropouts"], flush=True)
 
     if "h_noise" in parts:
+        from sklearn.metrics import adjusted_rand_score
+
         report["h_noise"] = {}
+        clean = None
         for sigma in (0.0, 0.1, 0.3, 1.0):
             results = run(RunConfig(**{**mnist_base, "algorithm": "pfedacnnl"}, secure=True, h_noise=sigma), dataset=mnist)
-            report["h_noise"][sigma] = {"accuracy": results["accuracy"],
-                                        "groups": len(set(results["groups"].values()))}
+            groups = [results["groups"][cid] for cid in sorted(results["groups"], key=int)]
+            clean = groups if clean is None else clean
+            # How far the noise moved the clustering: 1 = the same partition as without noise (up to names).
+            report["h_noise"][sigma] = {"accuracy": results["accuracy"], "groups": len(set(groups)),
+                                        "rand_vs_clean": float(adjusted_rand_score(clean, groups))}
         print("h_noise:", report["h_noise"], flush=True)
 
     if "mpi" in parts:
@@ -305,9 +311,12 @@ def render(report, args):
                   "(relative). Both solve each layer on the survivors' sums (tests/test_aggregation.py checks "
                   "that against centralized ACnnL on the survivors' data)."]
     lines += ["", "## Noise on the label summaries (MNIST-DNN, pFedACnnL, `--secure --h-noise SIGMA`)", "",
-              "| SIGMA | accuracy | groups after merging |", "|---|---|---|"]
+              "| SIGMA | accuracy | groups after merging | adjusted Rand index against SIGMA = 0 |", "|---|---|---|---|"]
     for sigma, r in report["h_noise"].items():
-        lines.append(f"| {sigma} | {r['accuracy']:.4f} | {r['groups']} |")
+        rand = f"{r['rand_vs_clean']:.3f}" if "rand_vs_clean" in r else "-"
+        lines.append(f"| {sigma} | {r['accuracy']:.4f} | {r['groups']} | {rand} |")
+    lines += ["", "The adjusted Rand index compares each run's K-means groups with the noiseless run's: 1 is the "
+                  "same partition, about 0 a random one."]
     if "mpi" in report:
         lines += ["", "## Per-rank sums under `mpiexec -n 3` (MNIST-DNN)", "",
                   "| layer | bytes the clients upload (simulated links) | bytes rank 0 received | messages |",
