@@ -486,18 +486,19 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
 
         # One group at a time: the server holds one group's sums and one
         # client's statistics (at full DCNN width a layer's G is 2.7 GB, so
-        # ten groups' sums at once would not fit in memory).
-        for k in range(n_groups):
-            members = [cid for cid in cids if group_of[cid] == k]
-            args = {cid: {"position": position, "batch_size": batch[cid], "round_index": position,
-                          **({"target_moments": True} if auto_gamma else {}),
-                          **({"coordinates": True} if coordinates else {})} for cid in members}
-            # The transport returns the group's sums only (never one client's statistics).
-            why_withheld = None
-            if secure is not None:
-                outcome, why_withheld = _secure_sum(transport, secure, args, (position, k), stat_dtype)
-            else:
-                outcome = transport.sum("local_stats", args, UPLOADED, dtype=stat_dtype, upper=_UPPER)
+        # ten groups' sums at once would not fit in memory). Under MPI a rank
+        # runs the next group's clients while its last partial sum travels.
+        group_args = [(k, {cid: {"position": position, "batch_size": batch[cid], "round_index": position,
+                                 **({"target_moments": True} if auto_gamma else {}),
+                                 **({"coordinates": True} if coordinates else {})}
+                           for cid in cids if group_of[cid] == k}) for k in range(n_groups)]
+        # The transport returns each group's sums only (never one client's statistics), a group at a time.
+        if secure is not None:
+            group_sums = ((k, *_secure_sum(transport, secure, args, (position, k), stat_dtype)) for k, args in group_args)
+        else:
+            group_sums = ((k, outcome, None) for k, outcome in transport.sum_groups(
+                "local_stats", group_args, UPLOADED, dtype=stat_dtype, upper=_UPPER))
+        for k, outcome, why_withheld in group_sums:
             for cid, receipt in outcome.receipts.items():
                 log.arrived(cid, receipt["compute_s"], outcome.up_bytes[cid], parts=receipt.get("parts"))
             log.dropped.update(outcome.dropped)

@@ -20,11 +20,15 @@ Protocol (all on ``COMM_WORLD``):
   error), and after the rank's last client one ``partial``: the rank's own
   sum of its clients' entries, sent without blocking. Rank 0 thus receives
   one set of matrices per rank and sum (a sum is one group of one layer), not
-  one per client. The partial is complete only after the rank's last client
-  of the sum, and rank 0 sends the next command (the next group's sum) only
-  once it holds every rank's partial, because the server keeps one group's
-  sums at a time; so the send overlaps the rank's wait for that command, not
-  the work of another client.
+  one per client. A layer's groups go out as one ``sums`` command
+  (:meth:`MPITransport.sum_groups`, ``"groups"``: the rank's clients per
+  group, in order): the rank runs them group by group and sends each group's
+  partial as soon as its last client of the group is done, then runs the
+  next group's clients while that partial travels. Each group's messages
+  have their own tags (``TAG_GROUPS + 2 g``, ``+ 1`` for the buffers), so
+  rank 0 takes the groups one at a time; a rank waits for its older partial
+  before starting a third group, so each side holds at most two groups'
+  sums.
   Otherwise an error header naming rank, client and exception, or
   ``{"op": "bye"}`` acknowledging a stop.
 
@@ -44,6 +48,7 @@ MPI is imported lazily and only when the process was started by ``mpiexec``
 
 from __future__ import annotations
 
+import json
 import os
 import pickle  # noqa: F401  (headers are pickled by mpi4py's lowercase calls)
 import shutil
@@ -60,6 +65,13 @@ __all__ = ["MPITransport", "serve", "report_startup_failure", "world", "hosting_
            "rank_finished", "CHUNK_BYTES"]
 
 TAG_CMD, TAG_CMD_DATA, TAG_RESULT, TAG_DATA = 11, 12, 13, 14
+# A multi-group sum's messages of group g travel under tags TAG_GROUPS + 2 g (headers) and
+# TAG_GROUPS + 2 g + 1 (buffers), so that rank 0 can take one group at a time.
+TAG_GROUPS = 100
+
+
+def _group_tags(index):
+    return TAG_GROUPS + 2 * index, TAG_GROUPS + 2 * index + 1
 CHUNK_BYTES = 2**30
 _LAUNCH_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_RANK")
 _MAX_SLEEP = 0.005
@@ -313,8 +325,11 @@ class MPITransport(Transport):
         self.client_ids
         return self._rank_of[cid]
 
-    def _dispatch(self, op, method, args, extra=None):
-        """Send ``op`` for ``method`` to every rank hosting a client of ``args``; returns (seq, pending per rank)."""
+    def _dispatch(self, op, method, args, extra=None, per_rank=None):
+        """Send ``op`` for ``method`` to every rank hosting a client of ``args``; returns (seq, pending per rank).
+
+        ``per_rank(rank, cids)`` (optional) adds entries to that rank's header.
+        """
         if self._closed:
             raise RuntimeError("MPITransport is closed")
         rank_of = {cid: self.rank_of(cid) for cid in args}
@@ -328,7 +343,7 @@ class MPITransport(Transport):
             arrays, descs, memo = [], [], {}
             clients = [(cid, _flatten(args[cid], arrays, descs, memo)) for cid in args if rank_of[cid] == r]
             header = {"op": op, "seq": self._seq, "method": method, "clients": clients, "arrays": descs,
-                      **(extra or {})}
+                      **(extra or {}), **(per_rank(r, pending[r]) if per_rank else {})}
             self._sends.append((self.comm.isend(header, dest=r, tag=TAG_CMD), None))
             for request in _send_buffers(self.comm, arrays, r, TAG_CMD_DATA, self.chunk, blocking=False):
                 self._sends.append((request, arrays))
@@ -357,35 +372,91 @@ class MPITransport(Transport):
         extra = {"keys": list(keys), "dtype": np.dtype(dtype).str, "upper_keys": list(upper),
                  "packed_keys": list(upper) if self.pack_upper else []}
         seq, pending = self._dispatch("sum", method, args, extra)
-        busy = {r for r in self.workers if pending[r]}
+        outcome = self._collect(seq, pending, dtype, upper)
+        self._reap_sends(wait=True)
+        return outcome
+
+    def sum_groups(self, method, group_args, keys, *, dtype=np.float64, upper=()):
+        """As :meth:`Transport.sum_groups`: one command per rank for all the groups, the sums taken a group at a time.
+
+        Each rank runs its clients group by group and sends each group's
+        partial sum without blocking as soon as its last client of the group
+        is done, then goes on to its next client (of the next group) while
+        the partial travels. Rank 0 receives only the group it is summing
+        (each group has its own tags); a rank keeps at most one partial in
+        flight while it computes the next, so each side holds at most two
+        groups' sums.
+        """
+        group_args = list(group_args)
+        if not group_args:
+            return
+        order = [key for key, _ in group_args]
+        args = {cid: kwargs for _, member_args in group_args for cid, kwargs in member_args.items()}
+        group_of = {cid: index for index, (_, member_args) in enumerate(group_args) for cid in member_args}
+        extra = {"keys": list(keys), "dtype": np.dtype(dtype).str, "upper_keys": list(upper),
+                 "packed_keys": list(upper) if self.pack_upper else []}
+
+        def per_rank(rank, cids):
+            return {"groups": [[cid for cid in member_args if cid in cids] for _, member_args in group_args]}
+
+        seq, pending = self._dispatch("sums", method, args, extra, per_rank)
+        ranks = [r for r in self.workers if pending[r]]
+        taken = 0
+        delay = float(os.environ.get("FEDLAYER_TEST_DELAY_SUMS", "0") or 0)  # test-only: a slow server
+        try:
+            for index, key in enumerate(order):
+                time.sleep(delay)
+                outcome = self._group_sum(seq, index, key, ranks, pending, group_of, dtype, upper)
+                taken = index + 1
+                yield key, outcome
+        finally:
+            # Left early (the server raised between groups): the ranks still send every group of
+            # this command, and must be able to, before they take the next command (or a stop).
+            if not self._closed and not self._failed:
+                for index in range(taken, len(order)):
+                    self._group_sum(seq, index, order[index], ranks, pending, group_of, dtype, upper)
+            self._reap_sends(wait=True)
+
+    def _group_sum(self, seq, index, key, ranks, pending, group_of, dtype, upper):
+        """Group ``index``'s Sum of a multi-group command: its receipts and every rank's partial."""
+        waiting = {r: {cid for cid in pending[r] if group_of[cid] == index} for r in ranks}
+        return self._collect(seq, waiting, dtype, upper, group=index, tags=_group_tags(index),
+                             what=f"its partial sum of group {key}")
+
+    def _collect(self, seq, waiting, dtype, upper, group=None, tags=(TAG_RESULT, TAG_DATA), what="its partial sum"):
+        """One sum's messages: a receipt or dropout per client of ``waiting`` (rank -> cids), then each rank's partial.
+
+        A rank is busy until its partial, which comes after its last client.
+        """
+        busy = {r for r, cids in waiting.items() if cids} if group is None else set(waiting)
         last = {r: time.monotonic() for r in busy}
         outcome = Sum()
 
         def still_waiting():
-            return {r: sorted(pending[r]) if pending[r] else "its partial sum" for r in busy}
+            return {r: sorted(waiting[r]) if waiting[r] else what for r in busy}
 
-        for source, header, recv_s in self._messages(busy, last, still_waiting):
+        for source, header, recv_s in self._messages(busy, last, still_waiting, tags):
             op = header["op"]
-            if header.get("seq") != seq or op not in ("receipt", "dropped", "partial"):
+            if header.get("seq") != seq or header.get("group") != group or op not in ("receipt", "dropped", "partial"):
                 self._unexpected(source, header)
             if op == "partial":
-                # A rank is busy until its partial sum, which comes after its last client.
-                if pending[source] or source not in busy:
+                if waiting[source] or source not in busy:
                     self._unexpected(source, header)
+                if group is not None:
+                    _test_trace("partial_received", seq=seq, group=group, source=source)
                 fold(outcome.totals, header["result"], dtype, upper)
                 outcome.transport[f"rank {source}"] = {"bytes": header["nbytes"], "receive_s": recv_s}
                 busy.discard(source)
                 continue
             cid = header["cid"]
-            if cid not in pending[source]:
+            if cid not in waiting[source]:
                 self._unexpected(source, header)
-            pending[source].discard(cid)
+            waiting[source].discard(cid)
             if op == "dropped":
                 outcome.dropped[cid] = header["error"]
             else:
                 outcome.receipts[cid] = header["result"]
                 outcome.up_bytes[cid] = header["nbytes"]
-        self._reap_sends(wait=True)
         return outcome
 
     def _unexpected(self, source, header):
@@ -400,20 +471,26 @@ class MPITransport(Transport):
         self.close(status=1)
         raise RuntimeError(text + detail)
 
-    def _messages(self, busy, last, still_waiting):
-        """Yield (source, header with arrays inflated, receive seconds) while ``busy`` is not empty."""
+    def _messages(self, busy, last, still_waiting, tags=(TAG_RESULT, TAG_DATA)):
+        """Yield (source, header with arrays inflated, receive seconds) while ``busy`` is not empty.
+
+        ``tags``: of the headers and of their buffers. Errors of a rank come
+        under TAG_RESULT whatever they are.
+        """
         from mpi4py import MPI
 
         comm = self.comm
         status = MPI.Status()
         delay = 1e-4
+        header_tag, data_tag = tags
         while busy:
-            if comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_RESULT, status=status):
-                source = status.Get_source()
-                header = comm.recv(source=source, tag=TAG_RESULT)
+            if (comm.Iprobe(source=MPI.ANY_SOURCE, tag=header_tag, status=status)
+                    or (header_tag != TAG_RESULT and comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_RESULT, status=status))):
+                source, tag = status.Get_source(), status.Get_tag()
+                header = comm.recv(source=source, tag=tag)
                 start = time.perf_counter()
                 if header.get("arrays"):
-                    buffers, requests = _post_receives(comm, header["arrays"], source, TAG_DATA, self.chunk)
+                    buffers, requests = _post_receives(comm, header["arrays"], source, data_tag, self.chunk)
                     delay_b = 1e-5
                     while not MPI.Request.Testall(requests):
                         if time.monotonic() - start > self.deadline_s:
@@ -506,6 +583,17 @@ def _test_call_hook(cid, method):
         raise RuntimeError(f"injected failure of {method} for client {cid} (FEDLAYER_TEST_FAIL_CALL)")
 
 
+def _test_trace(event, **fields):
+    """Test-only: append one JSON line (event, its fields, wall time, rank) to FEDLAYER_TEST_TRACE."""
+    path = os.environ.get("FEDLAYER_TEST_TRACE")
+    if path:
+        from mpi4py import MPI
+
+        line = json.dumps({"event": event, "rank": MPI.COMM_WORLD.Get_rank(), "t": time.time(), **fields})
+        with open(path, "a") as trace:
+            trace.write(line + "\n")
+
+
 def _test_hooks(cid, method, kwargs):
     """Test-only failure injection in a sum (environment variables read by the worker).
 
@@ -557,9 +645,9 @@ def serve(comm, clients):
             delay = _sleep(delay)
         return comm.recv(source=0, tag=TAG_CMD)
 
-    def send(header, arrays, blocking=True):
-        comm.send(header, dest=0, tag=TAG_RESULT)
-        return _send_buffers(comm, arrays, 0, TAG_DATA, chunk, blocking=blocking)
+    def send(header, arrays, blocking=True, tags=(TAG_RESULT, TAG_DATA)):
+        comm.send(header, dest=0, tag=tags[0])
+        return _send_buffers(comm, arrays, 0, tags[1], chunk, blocking=blocking)
 
     def error(cid, method, err):
         comm.send({"op": "error", "rank": rank, "cid": cid, "method": method,
@@ -580,6 +668,41 @@ def serve(comm, clients):
         arrays = _unwire(buffers, descs)
         method, seq = command["method"], command["seq"]
         args = {cid: _inflate(skeleton, arrays) for cid, skeleton in command["clients"]}
+        if command["op"] == "sums":
+            # Group by group; each group's partial leaves without blocking while the next group's clients
+            # run. At most one partial is in flight while the next is computed (two groups' sums held).
+            in_flight = []
+            for index, cids in enumerate(command["groups"]):
+                tags = _group_tags(index)
+                while len(in_flight) > 1:
+                    MPI.Request.Waitall([request for request, _ in in_flight.pop(0)])
+                _test_trace("group_started", seq=seq, group=index)
+
+                def report(cid, receipt, nbytes, reason, index=index, tags=tags):
+                    if reason is not None:
+                        comm.send({"op": "dropped", "seq": seq, "group": index, "cid": cid, "error": reason}, dest=0,
+                                  tag=tags[0])
+                        return
+                    out, out_descs = [], []
+                    skeleton = _flatten(receipt, out, out_descs, {})
+                    send({"op": "receipt", "seq": seq, "group": index, "cid": cid, "result": skeleton,
+                          "arrays": out_descs, "nbytes": nbytes}, out, tags=tags)
+
+                try:
+                    totals = client_side_sum(clients, method, {cid: args[cid] for cid in cids}, command["keys"],
+                                             np.dtype(command["dtype"]), hooks=_test_hooks, done=report,
+                                             upper=command["upper_keys"])[0]
+                except Exception as err:
+                    error(None, method, err)
+                    break
+                out, out_descs = [], []
+                skeleton = _flatten(totals, out, out_descs, {}, packed_keys=command["packed_keys"])
+                requests = send({"op": "partial", "seq": seq, "group": index, "result": skeleton, "arrays": out_descs,
+                                 "nbytes": int(sum(b.nbytes for b in out))}, out, blocking=False, tags=tags)
+                in_flight.append([(request, out) for request in requests])
+                del totals
+            partial_sends = [pair for pairs in in_flight for pair in pairs]
+            continue
         if command["op"] == "sum":
             def report(cid, receipt, nbytes, reason):
                 # Each client's receipt (small) as soon as it is done; the partial sum after the last one.

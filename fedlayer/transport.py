@@ -159,6 +159,17 @@ class Transport(ABC):
         Sum
         """
 
+    def sum_groups(self, method, group_args, keys, *, dtype=np.float64, upper=()):
+        """:meth:`sum` for several groups of clients: yields ``(key, Sum)`` per group, in the order given.
+
+        ``group_args``: sequence of (key, args) with args as in :meth:`sum`.
+        The groups' sums are taken one at a time; a transport may start a
+        group's clients before the previous group's sum has been taken (MPI:
+        a rank's next client runs while its previous partial sum travels).
+        """
+        for key, args in group_args:
+            yield key, self.sum(method, args, keys, dtype=dtype, upper=upper)
+
     def close(self):
         """Release the clients (and, for MPI, tell the ranks to stop)."""
 

@@ -28,7 +28,8 @@ pytestmark = [
 
 SMALL = ["--clients", "12", "--groups", "3", "--model", "dnn", "--seed", "0"]
 _TEST_VARS = ("FEDLAYER_TEST_FAIL_CLIENT", "FEDLAYER_TEST_FAIL_CALL", "FEDLAYER_TEST_FAIL_STEP",
-              "FEDLAYER_TEST_HANG_CLIENT", "FEDLAYER_MPI_CHUNK_BYTES", "FEDLAYER_MPI_PACK_UPPER")
+              "FEDLAYER_TEST_HANG_CLIENT", "FEDLAYER_TEST_TRACE", "FEDLAYER_TEST_DELAY_SUMS",
+              "FEDLAYER_MPI_CHUNK_BYTES", "FEDLAYER_MPI_PACK_UPPER")
 
 
 def _env(**extra):
@@ -96,6 +97,25 @@ def test_same_as_in_process(tmp_path, algorithm, extra_env, flags):
             parts = record["transport"]
             assert parts and all(key.split()[-2:][0] == "rank" for key in parts)
             assert len(parts) <= 2 * len(set(got["groups"].values()))
+
+
+def test_a_rank_runs_its_next_group_while_its_partial_sum_travels(tmp_path):
+    # pFedACnnL, 3 groups: rank 0 takes each layer's groups one at a time and, here, waits 0.3 s before
+    # each. Each worker has started its next group's clients before rank 0 received its partial sum of
+    # the previous group, in every layer.
+    trace = tmp_path / "trace.jsonl"
+    proc = mpirun(["--algorithm", "pfedacnnl", *SMALL, "--quiet", "--output", str(tmp_path / "out")],
+                  FEDLAYER_TEST_TRACE=str(trace), FEDLAYER_TEST_DELAY_SUMS="0.3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    started = {(e["seq"], e["rank"], e["group"]): e["t"] for e in events if e["event"] == "group_started"}
+    received = {(e["seq"], e["source"], e["group"]): e["t"] for e in events if e["event"] == "partial_received"}
+    commands = {seq for seq, _, _ in started}
+    assert len(commands) == 3  # one multi-group command per layer of the DNN
+    for (seq, rank, group), t in received.items():
+        if (seq, rank, group + 1) in started:
+            assert started[(seq, rank, group + 1)] < t, (seq, rank, group)
+    assert sum((seq, rank, group + 1) in started for seq, rank, group in received) == 3 * 2 * 2
 
 
 def test_hundred_clients_on_three_ranks(tmp_path):
