@@ -493,57 +493,64 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
                                  **({"coordinates": True} if coordinates else {})}
                            for cid in cids if group_of[cid] == k}) for k in range(n_groups)]
         # The transport returns each group's sums only (never one client's statistics), a group at a time.
+        stream = None
         if secure is not None:
             group_sums = ((k, *_secure_sum(transport, secure, args, (position, k), stat_dtype)) for k, args in group_args)
         else:
-            group_sums = ((k, outcome, None) for k, outcome in transport.sum_groups(
-                "local_stats", group_args, UPLOADED, dtype=stat_dtype, upper=_UPPER))
-        for k, outcome, why_withheld in group_sums:
-            for cid, receipt in outcome.receipts.items():
-                log.arrived(cid, receipt["compute_s"], outcome.up_bytes[cid], parts=receipt.get("parts"))
-            log.dropped.update(outcome.dropped)
-            log.transport.update({f"group {k} {where}": v for where, v in outcome.transport.items()})
-            if why_withheld is not None:
-                if n_groups == 1:
-                    from .secure import SecureAggregationError
+            stream = transport.sum_groups("local_stats", group_args, UPLOADED, dtype=stat_dtype, upper=_UPPER)
+            group_sums = ((k, outcome, None) for k, outcome in stream)
+        try:
+            for k, outcome, why_withheld in group_sums:
+                for cid, receipt in outcome.receipts.items():
+                    log.arrived(cid, receipt["compute_s"], outcome.up_bytes[cid], parts=receipt.get("parts"))
+                log.dropped.update(outcome.dropped)
+                log.transport.update({f"group {k} {where}": v for where, v in outcome.transport.items()})
+                if why_withheld is not None:
+                    if n_groups == 1:
+                        from .secure import SecureAggregationError
 
-                    raise SecureAggregationError(f"layer {position + 1}: {why_withheld}, and there is no other "
-                                                 f"group's sum to solve it on")
-                withheld[k] = why_withheld
-                continue
-            if not outcome.receipts:
-                if outcome.dropped:
-                    first = next(iter(outcome.dropped.items()))
-                    raise AllClientsDropped(f"every client of group {k} dropped out of layer {position + 1} "
-                                       f"({len(outcome.dropped)}: {sorted(outcome.dropped)}); client {first[0]}: "
-                                       f"{first[1]}")
-                continue
-            G_sum, C_sum = outcome.totals["G"], outcome.totals["C"]
-            if coordinates:
-                C_sum = _targets_cross(C_sum, basis, position)
-            zz_sum, rows_sum = float(outcome.totals.get("zz", 0.0)), int(outcome.totals.get("rows", 0))
-            del outcome
-            start = time.perf_counter()
-            if pooled_gamma or keep_total:
-                if pooled is None:
-                    pooled = [np.zeros_like(G_sum), np.zeros_like(C_sum), 0.0, 0]
-                pooled[0] += G_sum
-                pooled[1] += C_sum
-                pooled[2] += zz_sum
-                pooled[3] += rows_sum
-            if pooled_gamma:
-                # Solved below, with the gamma chosen on the sums over all groups.
-                pending[k] = (G_sum, C_sum)
-            elif auto_gamma:
-                chosen, path, log.selection[str(k) if n_groups > 1 else "all"] = _gcv_choice(
-                    G_sum, C_sum, zz_sum, rows_sum, basis)
-                install(k, path.solve(chosen))
-                del path
-            else:
-                install(k, fastls.ridge_solve(G_sum, C_sum, layer_gamma, overwrite_g=True, overwrite_c=True,
-                                              rhs_basis=basis))
-            del G_sum, C_sum
-            log.server_s += time.perf_counter() - start
+                        raise SecureAggregationError(f"layer {position + 1}: {why_withheld}, and there is no other "
+                                                     f"group's sum to solve it on")
+                    withheld[k] = why_withheld
+                    continue
+                if not outcome.receipts:
+                    if outcome.dropped:
+                        first = next(iter(outcome.dropped.items()))
+                        raise AllClientsDropped(f"every client of group {k} dropped out of layer {position + 1} "
+                                           f"({len(outcome.dropped)}: {sorted(outcome.dropped)}); client {first[0]}: "
+                                           f"{first[1]}")
+                    continue
+                G_sum, C_sum = outcome.totals["G"], outcome.totals["C"]
+                if coordinates:
+                    C_sum = _targets_cross(C_sum, basis, position)
+                zz_sum, rows_sum = float(outcome.totals.get("zz", 0.0)), int(outcome.totals.get("rows", 0))
+                del outcome
+                start = time.perf_counter()
+                if pooled_gamma or keep_total:
+                    if pooled is None:
+                        pooled = [np.zeros_like(G_sum), np.zeros_like(C_sum), 0.0, 0]
+                    pooled[0] += G_sum
+                    pooled[1] += C_sum
+                    pooled[2] += zz_sum
+                    pooled[3] += rows_sum
+                if pooled_gamma:
+                    # Solved below, with the gamma chosen on the sums over all groups.
+                    pending[k] = (G_sum, C_sum)
+                elif auto_gamma:
+                    chosen, path, log.selection[str(k) if n_groups > 1 else "all"] = _gcv_choice(
+                        G_sum, C_sum, zz_sum, rows_sum, basis)
+                    install(k, path.solve(chosen))
+                    del path
+                else:
+                    install(k, fastls.ridge_solve(G_sum, C_sum, layer_gamma, overwrite_g=True, overwrite_c=True,
+                                                  rhs_basis=basis))
+                del G_sum, C_sum
+                log.server_s += time.perf_counter() - start
+        finally:
+            if stream is not None:
+                # A layer left early (an error): the transport takes the rest of the groups' messages
+                # now, so that the clients' side can end this command before the next (or a stop).
+                stream.close()
         if withheld and pooled is None:
             from .secure import SecureAggregationError
 

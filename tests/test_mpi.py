@@ -118,6 +118,19 @@ def test_a_rank_runs_its_next_group_while_its_partial_sum_travels(tmp_path):
     assert sum((seq, rank, group + 1) in started for seq, rank, group in received) == 3 * 2 * 2
 
 
+def test_a_layer_left_early_under_mpi_ends_the_job_promptly():
+    # With --drop-clients 0.99 every client of the first group drops out of layer 1: the server raises in
+    # the middle of the layer's multi-group command, while the ranks still send the other groups. The job
+    # ends with the server's error and an orderly stop, not a deadline abort.
+    start = time.monotonic()
+    proc = mpirun(["--algorithm", "pfedacnnl", *SMALL, "--drop-clients", "0.99", "--quiet", "--mpi-deadline", "30"],
+                  timeout=90)
+    assert proc.returncode != 0
+    assert "every client of group 0 dropped out of layer 1" in proc.stderr, proc.stderr[-3000:]
+    assert "no answer from MPI rank" not in proc.stderr
+    assert time.monotonic() - start < 25
+
+
 def test_hundred_clients_on_three_ranks(tmp_path):
     proc = mpirun(["--algorithm", "pfedacnnl", "--clients", "100", "--model", "lr", "--output", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-3000:]
