@@ -339,18 +339,39 @@ def _clients(rng, n_clients, **options):
             for i, p in enumerate(parts)]
 
 
-@pytest.mark.parametrize("name,options", [("fedacnnl", {}), ("pfedacnnl", {}),
-                                          ("fedacnnl", {"drop_probability": 0.3})])
-def test_secure_weights_equal_the_plain_ones_to_the_rounding(rng, name, options):
+@pytest.mark.parametrize("name,options,protocol", [
+    ("fedacnnl", {}, {}), ("pfedacnnl", {}, {}), ("fedacnnl", {"drop_probability": 0.3}, {}),
+    # GCV's extra sums (tr(Z^T Z), rows) through the masks too; pooled and per-group gammas
+    ("pfedacnnl", {}, {"gamma": "auto"}), ("pfedacnnl", {}, {"gamma": "auto", "gamma_scope": "group"}),
+])
+def test_secure_weights_equal_the_plain_ones_to_the_rounding(rng, name, options, protocol):
     seed = int(rng.integers(2**31))
     plain = run_protocol(InProcessTransport(_clients(np.random.default_rng(seed), 9, **options)), 3, VARIANTS[name],
-                         batch_size=7, groups=2)
+                         batch_size=7, groups=2, **protocol)
     secure = run_protocol(InProcessTransport(_clients(np.random.default_rng(seed), 9, **options)), 3, VARIANTS[name],
-                          batch_size=7, groups=2, secure=SecureServer(seed=5, min_group_size=2))
-    assert plain["groups"] == secure["groups"]
+                          batch_size=7, groups=2, secure=SecureServer(seed=5, min_group_size=2), **protocol)
+    # The same partition; secure mode numbers its groups by their first member (merge_small_groups).
+    members = {}
+    for result in (plain, secure):
+        for cid, k in result["groups"].items():
+            members.setdefault(id(result), {}).setdefault(k, set()).add(cid)
+    as_secure = {k: next(j for j, group in members[id(secure)].items() if group == group_k)
+                 for k, group_k in members[id(plain)].items()}
+    # With gamma chosen by GCV, any rounding of the sums (the fixed point's 1e-13, or eq. 7's timed batch
+    # sizes changing the order of the float64 sums between two runs) moves the minimizer of a flat
+    # criterion far more than itself (1e-6 relative measured, on a group whose GCV picks gamma ~ 2e-7),
+    # and the weights with it: the fixed-gamma bound does not apply there. A wrong tr(Z^T Z) or row
+    # count would move gamma by orders of magnitude.
+    auto = protocol.get("gamma") == "auto"
+    rtol = 1e-5 if auto else 1e-9
     for k in plain["group_weights"]:
-        for W, V in zip(plain["group_weights"][k], secure["group_weights"][k], strict=True):
-            assert_close(V, W, np.float64, rtol=1e-9)
+        for W, V in zip(plain["group_weights"][k], secure["group_weights"][as_secure[k]], strict=True):
+            assert_close(V, W, np.float64, rtol=rtol)
+    if protocol:  # the gammas GCV chose from the decoded sums are the plain run's
+        for a, b in zip(plain["rounds"], secure["rounds"]):
+            for key, choice in a.get("selection", {}).items():
+                other = b["selection"][key if key == "all" else str(as_secure[int(key)])]
+                assert abs(other["gamma"] / choice["gamma"] - 1) < 1e-4, key
     for a, b in zip(plain["rounds"], secure["rounds"]):
         assert a.get("dropped") == b.get("dropped")
     if options:
