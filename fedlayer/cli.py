@@ -11,6 +11,7 @@ that was wrong, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -179,6 +180,8 @@ class _ProgressBar:
 
 
 def cmd_run(args):
+    import fastls
+
     from .models import build_model  # noqa: F401  (import errors surface before data loading)
     from .run import run
 
@@ -186,13 +189,15 @@ def cmd_run(args):
     from . import mpi
 
     comm = mpi.world()  # None unless launched by mpiexec with more than one rank
+    share = None
     if comm is not None:
         mpi.watch_ranks(comm)
+        share, on_node = mpi.rank_cores(comm)  # every rank, at the same point: a collective call
     if comm is not None and comm.Get_rank() > 0:
         from .run import rank_clients
 
         try:
-            clients = rank_clients(config, comm.Get_rank(), comm.Get_size())
+            clients = rank_clients(config, comm.Get_rank(), comm.Get_size(), max_cores=share)
         except Exception as err:
             mpi.report_startup_failure(comm, err)
             clients = None
@@ -201,9 +206,13 @@ def cmd_run(args):
         finally:
             mpi.rank_finished(comm)  # in order, or with its own traceback: not a rank that died
     transport = None if comm is None else mpi.MPITransport(comm, deadline_s=args.mpi_deadline)
+    if transport is not None:
+        transport.machine = {"mpi": {"ranks": comm.Get_size(), "ranks_on_node": on_node, "cores_per_rank": share}}
     bar = None if args.quiet else _ProgressBar(config.algorithm)
     try:
-        results = run(config, transport=transport, progress=bar)
+        # Rank 0's own work (solves, evaluation) within its share of the node too.
+        with contextlib.nullcontext() if share is None else fastls.limit_cores(share):
+            results = run(config, transport=transport, progress=bar)
     except BaseException:
         if transport is not None:
             transport.close(status=1)  # stops the workers (aborts the job if a rank hangs)

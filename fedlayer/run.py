@@ -209,10 +209,15 @@ def pooled_data(dataset):
     )
 
 
-def make_clients(config: RunConfig, dataset, model_config, client_ids=None):
-    """The client objects for ``client_ids`` (all when None), deterministically from the config."""
+def make_clients(config: RunConfig, dataset, model_config, client_ids=None, max_cores=None):
+    """The client objects for ``client_ids`` (all when None), deterministically from the config.
+
+    ``max_cores``: a cap on every client's cores (an MPI rank's share of its node).
+    """
     algorithm = ALGORITHMS[config.algorithm]
     cores = client_cores(len(dataset.clients), config.seed, config.cores)
+    if max_cores is not None:
+        cores = [min(c, int(max_cores)) for c in cores]
     if algorithm.centralized:
         return [Client(0, pooled_data(dataset), model_config, config.seed, dataset.n_classes, max(cores), np.float64,
                        conv_targets=config.conv_targets, eps_criterion=config.eps_criterion, forward=config.forward)]
@@ -227,12 +232,13 @@ def make_clients(config: RunConfig, dataset, model_config, client_ids=None):
     return clients
 
 
-def rank_clients(config: RunConfig, rank, size):
+def rank_clients(config: RunConfig, rank, size, max_cores=None):
     """The clients MPI rank ``rank`` (> 0) of ``size`` hosts: ``1 + cid % (size - 1) == rank``.
 
     Every rank loads the dataset itself (same seed, same partition), builds
     its own clients and drops the rest; the pooled client of a centralized
-    run lives on rank 1.
+    run lives on rank 1. ``max_cores`` caps each client's cores (the rank's
+    share of its node, :func:`fedlayer.mpi.rank_cores`).
     """
     from .mpi import hosting_rank
 
@@ -242,7 +248,7 @@ def rank_clients(config: RunConfig, rank, size):
         ids = [0] if rank == 1 else []
     else:
         ids = [cid for cid in range(len(dataset.clients)) if hosting_rank(cid, size) == rank]
-    return make_clients(config, dataset, model_config, client_ids=ids) if ids else []
+    return make_clients(config, dataset, model_config, client_ids=ids, max_cores=max_cores) if ids else []
 
 
 def load_dataset(config: RunConfig):
@@ -329,7 +335,8 @@ def run(config: RunConfig, transport=None, progress=None, dataset=None):
     outcome = algorithm.train(config, transport, model, clock, progress)
     results = {
         "config": dataclasses.asdict(config),
-        "machine": {"python": platform.python_version(), "cores": fastls.available_cores(), "numpy": np.__version__},
+        "machine": {"python": platform.python_version(), "cores": fastls.available_cores(), "numpy": np.__version__,
+                    **getattr(transport, "machine", {})},
         "n_clients": len(transport.client_ids),
         "n_classes": dataset.n_classes,
         "accuracy": outcome.accuracy,

@@ -83,6 +83,10 @@ def test_same_as_in_process(tmp_path, algorithm, extra_env, flags):
     ref = json.loads((reference / "results.json").read_text())
     got = json.loads((distributed / "results.json").read_text())
     assert got["n_clients"] == ref["n_clients"] == 12
+    # Three ranks on one node share its cores (mpiexec here binds no rank to its own).
+    assert got["machine"]["mpi"] == {"ranks": 3, "ranks_on_node": 3,
+                                     "cores_per_rank": max(1, len(os.sched_getaffinity(0)) // 3)}
+    assert "mpi" not in ref["machine"]
     assert got["groups"] == ref["groups"]
     assert abs(got["accuracy"] - ref["accuracy"]) <= 1e-10
     for key, record in ref["rounds"].items():
@@ -129,6 +133,19 @@ def test_a_layer_left_early_under_mpi_ends_the_job_promptly():
     assert "every client of group 0 dropped out of layer 1" in proc.stderr, proc.stderr[-3000:]
     assert "no answer from MPI rank" not in proc.stderr
     assert time.monotonic() - start < 25
+
+
+@pytest.mark.parametrize("affinities,mine,share", [
+    ([[0, 1], [0, 1], [0, 1]], [0, 1], 1),               # 3 ranks sharing 2 cores
+    ([[0, 1, 2, 3, 4, 5, 6, 7]] * 2, list(range(8)), 4),  # 2 ranks sharing 8 cores
+    ([[0, 1, 2, 3], [4, 5, 6, 7]], [0, 1, 2, 3], 4),      # bound to their own cores
+    ([[0, 1], [1, 2]], [0, 1], 1),                        # one core shared: 1 + 1/2
+    ([[0, 1, 2], [2, 3, 4]], [0, 1, 2], 2),               # 2 + 1/2
+])
+def test_a_rank_gets_its_share_of_the_cores_it_may_run_on(affinities, mine, share):
+    from fedlayer.mpi import node_share
+
+    assert node_share(affinities, mine) == share
 
 
 def test_hundred_clients_on_three_ranks(tmp_path):
