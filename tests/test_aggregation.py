@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import fastls
 from fedlayer.client import Client, ClientDropout
-from fedlayer.federated import VARIANTS, AllClientsDropped, run_protocol
+from fedlayer.federated import VARIANTS, AllClientsDropped, run_protocol, survivors_solution
 from fedlayer.transport import InProcessTransport, Sum, fold
 from numeric_checks import assert_close
 from test_federated import N_CLASSES, client_data, dnn_config, make_data
@@ -73,26 +73,6 @@ class FailsOn:
         return self.client.local_stats(position, *args, **kwargs)
 
 
-def survivors_reference(clients, outcome, n_layers, gamma=100.0):
-    """Each layer's weights solved on the sums of the clients that did not drop out of it, with the trained
-    weights of the earlier layers (centralized ACnnL on the survivors' data)."""
-    reference = []
-    for position in range(n_layers):
-        dropped = {int(cid) for cid in outcome["rounds"][position].get("dropped", {})}
-        G = C = None
-        for client in clients:
-            if client.client_id in dropped:
-                continue
-            for earlier in range(position):
-                client.set_weights(earlier, outcome["group_weights"][0][earlier])
-            stats = client.local_stats(position, 10**6)
-            G = stats["G"] if G is None else G + stats["G"]
-            C = stats["C"] if C is None else C + stats["C"]
-        bases = clients[0].bases
-        reference.append(fastls.ridge_solve(G, C, gamma, rhs_basis=bases[position] if bases else None))
-    return reference
-
-
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 2**31), n_clients=st.integers(3, 8), probability=st.sampled_from([0.2, 0.4]))
 def test_dropouts_leave_the_weights_of_centralized_acnnl_on_the_survivors(seed, n_clients, probability):
@@ -104,7 +84,8 @@ def test_dropouts_leave_the_weights_of_centralized_acnnl_on_the_survivors(seed, 
     except AllClientsDropped:
         return  # every client failed in some layer: nothing to compare (the error is tested below)
     plain, *_ = make_clients(np.random.default_rng(seed), n_clients)  # same data, no simulated failures
-    for W, R in zip(outcome["group_weights"][0], survivors_reference(plain, outcome, n_layers), strict=True):
+    reference = survivors_solution(plain, outcome["rounds"], outcome["group_weights"][0])
+    for W, R in zip(outcome["group_weights"][0], reference, strict=True):
         assert_close(W, R, np.float64, rtol=1e-9)
     for record in outcome["rounds"]:
         assert set(record["clients"]).isdisjoint(record.get("dropped", {}))
