@@ -43,10 +43,21 @@ from dev_layout import use_shared_data
 
 
 def weight_difference(a, b):
-    """Largest |W_a - W_b| / max |W_b| over the layers (and groups) of two runs."""
+    """Largest |W_a - W_b| / max |W_b| over the layers (and groups) of two runs.
+
+    Groups are matched by their members when both runs record them (secure
+    mode numbers its groups by their first member).
+    """
+    match = {k: k for k in b["group_weights"]}
+    if "groups" in a and "groups" in b:
+        members = [{} for _ in range(2)]
+        for side, run_ in zip(members, (a, b)):
+            for cid, k in run_["groups"].items():
+                side.setdefault(k, set()).add(cid)
+        match = {k: next(j for j, group in members[0].items() if group == members[1][k]) for k in members[1]}
     worst = 0.0
     for k in b["group_weights"]:
-        for W, V in zip(a["group_weights"][k], b["group_weights"][k]):
+        for W, V in zip(a["group_weights"][match[k]], b["group_weights"][k]):
             worst = max(worst, float(np.abs(W - V).max() / max(np.abs(V).max(), 1e-300)))
     return worst
 
@@ -211,6 +222,20 @@ def main():
             {"group_weights": report["dropouts"]["secure 0.1"].pop("weights")},
             {"group_weights": report["dropouts"]["plain 0.1"].pop("weights")})
         report["dropouts"]["none"].pop("weights")
+        # pFedACnnL: K-means groups of 7-13 clients, so a client has fewer neighbours and the dropouts of a
+        # layer weigh more on each self mask's threshold.
+        personalized = {}
+        for name, extra in (("plain", {}), ("secure", {"secure": True})):
+            config = RunConfig(**{**mnist_base, "algorithm": "pfedacnnl", "drop_clients": 0.1, **extra})
+            personalized[name] = run(config, dataset=mnist)
+        report["dropouts"]["pfedacnnl"] = {
+            name: {"accuracy": r["accuracy"],
+                   "dropped_per_round": [len(x.get("dropped", {})) for x in r["rounds"].values()
+                                         if x["stage"] == "federated"],
+                   "withheld": sum(len(x.get("withheld", {})) for x in r["rounds"].values())}
+            for name, r in personalized.items()}
+        report["dropouts"]["pfedacnnl"]["secure_vs_plain_rel_diff"] = weight_difference(personalized["secure"],
+                                                                                        personalized["plain"])
         print("dropouts:", report["dropouts"], flush=True)
 
     if "h_noise" in parts:
@@ -328,6 +353,15 @@ def render(report, args):
                       "each, summed outside any transport, `fedlayer.federated.survivors_solution`): plain "
                       f"{d['plain 0.1']['vs_survivors_rel_diff']:.1e}, secure {d['secure 0.1']['vs_survivors_rel_diff']:.1e} "
                       "(largest relative difference of the weights)."]
+    if "pfedacnnl" in d:
+        p = d["pfedacnnl"]
+        lines += ["", "pFedACnnL, `--drop-clients 0.1` (K-means groups, each client's neighbours within its group):", "",
+                  "| run | accuracy | clients dropped per layer | groups withheld (too few survivors) |",
+                  "|---|---|---|---|"]
+        for name in ("plain", "secure"):
+            lines.append(f"| {name} | {p[name]['accuracy']:.4f} | {p[name]['dropped_per_round']} | "
+                         f"{p[name]['withheld']} |")
+        lines += ["", f"Secure against plain: weights differ by {p['secure_vs_plain_rel_diff']:.1e} (relative)."]
     lines += ["", "## Noise on the label summaries (MNIST-DNN, pFedACnnL, `--secure --h-noise SIGMA`)", "",
               "| SIGMA | accuracy | groups after merging | adjusted Rand index against SIGMA = 0 |", "|---|---|---|---|"]
     for sigma, r in report["h_noise"].items():

@@ -638,10 +638,10 @@ class Client:
         result["compute_s"] += time.perf_counter() - start
         return {**result, "exponent": exponent}
 
-    def secure_self_mask(self, context):
-        """A fresh self mask for the sum ``context``; returns its shares, encrypted per neighbour."""
+    def secure_self_mask(self, context, members=None):
+        """A fresh self mask for the sum ``context``, shared among its neighbours in ``members``; returns the shares."""
         start = time.perf_counter()
-        shares = self._secure.new_self_mask(context)
+        shares = self._secure.new_self_mask(context, members)
         return {"shares": shares, "compute_s": time.perf_counter() - start}
 
     def secure_upload(self, position, context, frac_bits, n_terms, members):

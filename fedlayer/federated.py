@@ -261,7 +261,9 @@ def _secure_sum(transport, secure, args, context, stat_dtype):
         return Sum({}, {}, {}, dropped_before), None
     n_terms = len(alive)
     frac_bits = fraction_bits([bound.receipts[c]["exponent"] for c in alive], n_terms)
-    self_masks = transport.sum("secure_self_mask", {c: {"context": context} for c in alive}, ())
+    shared_among = list(alive)  # the self masks' shares go to the neighbours still in the sum
+    self_masks = transport.sum("secure_self_mask", {c: {"context": context, "members": shared_among} for c in alive},
+                               ())
     dropped_before.update(_dropped_in("secure_self_mask", self_masks.dropped))
     outgoing = {}
     for cid, r in self_masks.receipts.items():
@@ -299,7 +301,7 @@ def _secure_sum(transport, secure, args, context, stat_dtype):
             outcome.receipts[cid]["compute_s"] += r["compute_s"]
             revealed_bytes[cid] = len(pickle.dumps(r["shares"], protocol=pickle.HIGHEST_PROTOCOL))
         outcome.dropped.update(_dropped_in("secure_reveal (its upload is in the sum)", reveal.dropped))
-        words = secure.unmask(context, upload.totals, survivors, dropped, revealed, secure.public)
+        words = secure.unmask(context, upload.totals, survivors, dropped, revealed, secure.public, shared_among)
         code = FixedPoint(frac_bits, n_terms)
         totals = {key: code.decode(w) for key, w in words.items()}
         totals.update({key: unpack_upper(totals[key]) for key in _UPPER if key in totals})

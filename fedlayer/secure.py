@@ -23,8 +23,9 @@ neighbours of its group instead of all of them, so the work grows as n log n.
   client's public key on the wire is its two public keys, mask key first.
 * **Masks.** Client i uploads x_i + PRG(b_i) + sum_{j in N(i), j > i} PRG(s_ij)
   - sum_{j in N(i), j < i} PRG(s_ij): the pairwise masks cancel in the sum,
-  the self mask b_i (fresh per sum) is removed by the server with shares of
-  b_i from i's neighbours once i's upload has arrived.
+  the self mask b_i (fresh per sum, shared among i's neighbours still in the
+  sum) is removed by the server with shares of b_i from those neighbours once
+  i's upload has arrived.
 * **Dropouts.** Each client Shamir-shares its mask key among its neighbours
   (threshold t = floor(k / 2) + 1). When client j drops out after sharing, its
   surviving neighbours give the server their shares of j's key, and the server
@@ -475,11 +476,13 @@ class SecureClientState:
         self._agreed = {}
         return self.public_key(), self._encrypted_shares(self._key_secret, "key", None)
 
-    def _encrypted_shares(self, secret, what, context):
-        t = threshold(len(self.neighbours))
-        shares = shamir_split(secret, len(self.neighbours), t)
+    def _encrypted_shares(self, secret, what, context, holders=None):
+        """Shamir shares of ``secret`` for ``holders`` (default: every neighbour), threshold over their number."""
+        holders = self.neighbours if holders is None else holders
+        t = threshold(len(holders))
+        shares = shamir_split(secret, len(holders), t)
         out = {}
-        for other, (x, y) in zip(self.neighbours, shares):
+        for other, (x, y) in zip(holders, shares):
             nonce = os.urandom(12)
             plain = _share_plaintext(self.cid, other, what, context, x, y)
             out[other] = nonce + self._aead(other).encrypt(nonce, plain, None)
@@ -521,10 +524,21 @@ class SecureClientState:
                 raise SecureAggregationError(f"client {self.cid}: a share from {sender} names {owner} -> {to}")
             self._held[(owner, what, context)] = (x, y)
 
-    def new_self_mask(self, context):
-        """A fresh self mask for sum ``context``; returns its shares, encrypted per neighbour."""
+    def new_self_mask(self, context, members=None):
+        """A fresh self mask for sum ``context``; returns its shares, encrypted per neighbour.
+
+        ``members``: the clients taking part in the sum; the shares go to the
+        neighbours among them (threshold over their number), since only they
+        can reveal for it. Neighbours already out of the sum would otherwise
+        hold shares nobody can use, and the self mask of a client with many
+        of those could not be rebuilt.
+        """
+        holders = self.neighbours if members is None else [c for c in self.neighbours if c in set(members)]
+        if not holders:
+            raise SecureAggregationError(f"client {self.cid}: none of its neighbours takes part in sum {context}: "
+                                         "its self mask could not be removed")
         self._self_masks[context] = secrets.token_bytes(_KEY_BYTES)
-        return self._encrypted_shares(self._self_masks[context], "self", context)
+        return self._encrypted_shares(self._self_masks[context], "self", context, holders)
 
     def mask(self, context, entries, members, code=None, exponent=None):
         """The encoded entries plus the self mask and the pairwise masks with the neighbours in ``members``.
@@ -637,7 +651,7 @@ class SecureServer:
                 incoming.setdefault(int(receiver), {})[int(sender)] = blob
         return incoming
 
-    def unmask(self, context, masked, survivors, dropped, revealed, public):
+    def unmask(self, context, masked, survivors, dropped, revealed, public, members=None):
         """The plain sum of the survivors' encoded entries, from the masked sum and the revealed shares.
 
         Parameters
@@ -646,6 +660,9 @@ class SecureServer:
         survivors, dropped : lists of cids (dropped: after the masks were agreed)
         revealed : dict revealer -> {owner: (what, share)}
         public : dict cid -> public key bytes
+        members : list of cids, optional
+            The clients the self masks were shared among (their threshold is
+            over a client's neighbours among them); default: all neighbours.
         """
         if len(survivors) < self.min_group_size:
             raise SecureAggregationError(f"sum {context}: {len(survivors)} survivor(s), fewer than min_group_size="
@@ -661,8 +678,10 @@ class SecureServer:
                 by_owner.setdefault((int(owner), what), []).append(share)
         survivors_set = set(survivors)
         pairs = []
+        members = None if members is None else set(members)
         for cid in survivors:
-            secret = self._rebuild(by_owner, cid, "self")
+            holders = None if members is None else [c for c in self.graph.get(cid, []) if c in members]
+            secret = self._rebuild(by_owner, cid, "self", holders)
             pairs.append((_mask_key(secret, b"self mask", context), -1))
         crypto = _crypto()
         for cid in dropped:
@@ -678,12 +697,13 @@ class SecureServer:
         _add_masks(flat, pairs)
         return {key: flat[a:b].reshape(shapes[key]) for key, (a, b) in offsets.items()}
 
-    def _rebuild(self, by_owner, cid, what):
+    def _rebuild(self, by_owner, cid, what, holders=None):
         shares = by_owner.get((cid, what), [])
-        t = threshold(len(self.graph.get(cid, [])))
+        k = len(self.graph.get(cid, []) if holders is None else holders)
+        t = threshold(k)
         if len(shares) < t:
             raise SecureAggregationError(
                 f"client {cid}: {len(shares)} of its neighbours revealed a share of its "
                 f"{'mask key' if what == 'key' else 'self mask'}, {t} are needed (threshold t = k // 2 + 1 of "
-                f"k = {len(self.graph.get(cid, []))} neighbours); too many of them dropped out")
+                f"k = {k} neighbours{'' if holders is None else ' in the sum'}); too many of them dropped out")
         return shamir_combine(shares[:t])
