@@ -327,11 +327,19 @@ def main(argv=None):
                    help="another split seed (global models only; default: the saved one)")
     p.add_argument("--data-dir", default=None)
     args = parser.parse_args(argv)
+    from .federated import AllClientsDropped
+    from .secure import SecureAggregationError
+
     try:
         return {"run": cmd_run, "plot": cmd_plot, "predict": cmd_predict}[args.command](args)
     except (ValueError, OSError) as err:
         print(f"fedlayer {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except (AllClientsDropped, SecureAggregationError) as err:
+        # The protocol could not go on (a group with no survivors, a secure sum that cannot be unmasked): the
+        # message says which clients and why; a traceback adds nothing for the user.
+        print(f"fedlayer {args.command}: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -105,6 +105,14 @@ def test_bad_input_is_a_clear_error(argv, message, capsys):
     assert message in err
 
 
+def test_a_protocol_that_cannot_go_on_is_a_one_line_error(capsys):
+    # Every client of a group fails every round (drop probability near 1): the run stops, naming them.
+    assert main(["run", *SMALL, "--algorithm", "fedacnnl", "--drop-clients", "0.999", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fedlayer run: error: every client of group 0 dropped out of layer 1 (")
+    assert "Traceback" not in err
+
+
 def test_unknown_config_key(tmp_path, capsys):
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps({"learning_rate": 0.1}))
