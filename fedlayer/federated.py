@@ -558,6 +558,11 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
                     withheld[k] = why_withheld
                     continue
                 if not outcome.receipts:
+                    if outcome.dropped and keep_total:
+                        # Secure sums with groups: no survivor is the extreme of too few (solved the same way).
+                        withheld[k] = (f"every client of the group dropped out ({len(outcome.dropped)}): "
+                                       "no secure sum")
+                        continue
                     if outcome.dropped:
                         first = next(iter(outcome.dropped.items()))
                         raise AllClientsDropped(f"every client of group {k} dropped out of layer {position + 1} "

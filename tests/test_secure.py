@@ -494,6 +494,12 @@ def test_a_group_with_too_few_survivors_is_solved_on_the_other_groups_sums():
     np.testing.assert_array_equal(result["group_weights"][0][0], result["group_weights"][1][0])
     assert "withheld" not in result["rounds"][2]
     assert not np.array_equal(result["group_weights"][0][1], result["group_weights"][1][1])
+    # No survivor at all in group 0 is solved the same way.
+    gone = {cid: {("local_stats", 0)} for cid in members}
+    result = run_protocol(InProcessTransport(_failing_clients(seed, 12, gone)), 1, VARIANTS["pfedacnnl-wp"],
+                          batch_size=7, groups=2, secure=SecureServer(seed=5))
+    assert result["rounds"][1]["withheld"]["0"]["why"].startswith("every client of the group dropped out (")
+    np.testing.assert_array_equal(result["group_weights"][0][0], result["group_weights"][1][0])
     # With one group there is no other sum: the run stops and says why.
     with pytest.raises(SecureAggregationError, match=r"layer 1: 2 survivor\(s\) .* no other group's sum"):
         run_protocol(InProcessTransport(_failing_clients(seed, 5, {c: {("local_stats", 0)} for c in (0, 1, 2)})),
