@@ -584,7 +584,7 @@ class Client:
 
     # -- secure sums (fedlayer.secure): the client's half of the protocol ------
     def secure_keys(self, min_survivors=1):
-        """Start the secure protocol: a fresh X25519 key pair; returns the public key.
+        """Start the secure protocol: fresh X25519 mask and channel key pairs; returns their public keys.
 
         ``min_survivors``: the fewest clients of a sum this client reveals
         shares for (:meth:`fedlayer.secure.SecureClientState.reveal`).
@@ -596,7 +596,7 @@ class Client:
         return {"public": self._secure.public_key()}
 
     def secure_rekey(self):
-        """A new key pair after the server rebuilt this client's key; returns it and its shares per neighbour."""
+        """A new mask key pair after the server rebuilt this client's; returns its public keys and shares per neighbour."""
         start = time.perf_counter()
         public, shares = self._secure.rekey()
         return {"public": public, "shares": shares, "compute_s": time.perf_counter() - start}
