@@ -120,6 +120,12 @@ class AnalyticAlgorithm(Algorithm):
                                  f"{self.name!r} trains one round per layer and takes no {key}")
         if self.variant.cluster and config.groups > config.clients:
             raise ValueError(f"groups (K={config.groups}) cannot exceed the number of clients ({config.clients})")
+        if config.secure and self.centralized:
+            raise ValueError(f"secure sums hide clients' statistics from the server; {self.name!r} pools every "
+                             "client's data in one (centralized ACnnL): there is nothing to sum securely")
+        if config.drop_clients and self.centralized:
+            raise ValueError(f"drop_clients simulates clients that fail; {self.name!r} has one pooled client, whose "
+                             "failure would leave nothing to train on")
         if config.secure and not self.centralized and config.clients < config.min_group_size:
             raise ValueError(f"secure sums need at least min_group_size={config.min_group_size} clients (a sum over "
                              f"fewer reveals too much of each), got clients={config.clients}")

@@ -97,6 +97,8 @@ def exit_status(argv):
          "unknown hyperparameters ['learning_rate'] for fedzo"),
         (["--hyper", "lr=0.1"], "'pfedacnnl' trains one round per layer and takes no hyper"),
         (["--algorithm", "fedavg", "--hyper", "lr=nan"], "hyperparameter lr must be a finite number, got nan"),
+        (["--algorithm", "acnnl", "--secure"], "'acnnl' pools every client's data in one"),
+        (["--algorithm", "acnnl", "--drop-clients", "0.1"], "'acnnl' has one pooled client"),
     ],
 )
 def test_bad_input_is_a_clear_error(argv, message, capsys):
