@@ -14,22 +14,20 @@ Protocol (all on ``COMM_WORLD``):
   buffers (``Isend``, tag ``TAG_CMD_DATA``), never pickled;
 * worker -> rank 0, tag ``TAG_RESULT``: for a ``call``, per client, as soon as
   it finishes, a pickled header (result skeleton, shapes, dtypes, scalars)
-  followed by the raw buffers (``Send``, tag ``TAG_DATA``). For a ``sum``
-  (``{"op": "sum", ..., "keys", "dtype", "packed_keys"}``),
+  followed by the raw buffers (``Send``, tag ``TAG_DATA``). Sums of one or
+  more groups are one ``sums`` command (``{"op": "sums", ..., "groups",
+  "keys", "dtype", "packed_keys"}``, ``"groups"``: the rank's clients per
+  group, in order; :meth:`MPITransport.sum` is one group of it). Per group,
   per client a small ``receipt`` (its other entries) or ``dropped`` (its
-  error), and after the rank's last client one ``partial``: the rank's own
-  sum of its clients' entries, sent without blocking. Rank 0 thus receives
-  one set of matrices per rank and sum (a sum is one group of one layer), not
-  one per client. A layer's groups go out as one ``sums`` command
-  (:meth:`MPITransport.sum_groups`, ``"groups"``: the rank's clients per
-  group, in order): the rank runs them group by group and sends each group's
-  partial as soon as its last client of the group is done, then runs the
-  next group's clients while that partial travels. Each group's messages
-  have their own tags (``TAG_GROUPS + 2 g``, ``+ 1`` for the buffers), so
-  rank 0 takes the groups one at a time; a rank waits for its older partial
-  before starting a third group, so each side holds at most two groups'
-  sums.
-  Otherwise an error header naming rank, client and exception, or
+  error), and after the rank's last client of the group one ``partial``: the
+  rank's own sum of its clients' entries, sent without blocking while the
+  rank runs the next group's clients. Rank 0 thus receives one set of
+  matrices per rank and group of a layer, not one per client. Each group's
+  messages have their own tags (``TAG_GROUPS + 2 g``, ``+ 1`` for the
+  buffers), so rank 0 takes the groups one at a time; a rank waits for its
+  older partial before starting a third group, so each side holds at most
+  two groups' sums. Otherwise (on ``TAG_RESULT``) an error header naming
+  rank, client and exception, or
   ``{"op": "bye"}`` acknowledging a stop.
 
 Buffers over ``chunk_bytes`` (2**30) travel as several messages (MPI counts
@@ -404,11 +402,8 @@ class MPITransport(Transport):
         self._reap_sends(wait=True)
 
     def sum(self, method, args, keys, *, dtype=np.float64, upper=()):
-        extra = {"keys": list(keys), "dtype": np.dtype(dtype).str, "upper_keys": list(upper),
-                 "packed_keys": list(upper) if self.pack_upper else []}
-        seq, pending = self._dispatch("sum", method, args, extra)
-        outcome = self._collect(seq, pending, dtype, upper)
-        self._reap_sends(wait=True)
+        # One group of :meth:`sum_groups`: the same command and messages.
+        (_, outcome), = self.sum_groups(method, [(None, args)], keys, dtype=dtype, upper=upper)
         return outcome
 
     def sum_groups(self, method, group_args, keys, *, dtype=np.float64, upper=()):
@@ -455,15 +450,16 @@ class MPITransport(Transport):
     def _group_sum(self, seq, index, key, ranks, pending, group_of, dtype, upper):
         """Group ``index``'s Sum of a multi-group command: its receipts and every rank's partial."""
         waiting = {r: {cid for cid in pending[r] if group_of[cid] == index} for r in ranks}
-        return self._collect(seq, waiting, dtype, upper, group=index, tags=_group_tags(index),
-                             what=f"its partial sum of group {key}")
+        return self._collect(seq, waiting, dtype, upper, index, "its partial sum" + ("" if key is None else
+                                                                                     f" of group {key}"))
 
-    def _collect(self, seq, waiting, dtype, upper, group=None, tags=(TAG_RESULT, TAG_DATA), what="its partial sum"):
-        """One sum's messages: a receipt or dropout per client of ``waiting`` (rank -> cids), then each rank's partial.
+    def _collect(self, seq, waiting, dtype, upper, group, what):
+        """One group's messages: a receipt or dropout per client of ``waiting`` (rank -> cids), then each rank's partial.
 
-        A rank is busy until its partial, which comes after its last client.
+        Every rank of ``waiting`` is busy until its partial, which comes after its last client.
         """
-        busy = {r for r, cids in waiting.items() if cids} if group is None else set(waiting)
+        tags = _group_tags(group)
+        busy = set(waiting)
         last = {r: time.monotonic() for r in busy}
         outcome = Sum()
 
@@ -477,8 +473,7 @@ class MPITransport(Transport):
             if op == "partial":
                 if waiting[source] or source not in busy:
                     self._unexpected(source, header)
-                if group is not None:
-                    _test_trace("partial_received", seq=seq, group=group, source=source)
+                _test_trace("partial_received", seq=seq, group=group, source=source)
                 fold(outcome.totals, header["result"], dtype, upper)
                 outcome.transport[f"rank {source}"] = {"bytes": header["nbytes"], "receive_s": recv_s}
                 busy.discard(source)
@@ -737,30 +732,6 @@ def serve(comm, clients):
                 in_flight.append([(request, out) for request in requests])
                 del totals
             partial_sends = [pair for pairs in in_flight for pair in pairs]
-            continue
-        if command["op"] == "sum":
-            def report(cid, receipt, nbytes, reason):
-                # Each client's receipt (small) as soon as it is done; the partial sum after the last one.
-                if reason is not None:
-                    comm.send({"op": "dropped", "seq": seq, "cid": cid, "error": reason}, dest=0, tag=TAG_RESULT)
-                    return
-                out, out_descs = [], []
-                skeleton = _flatten(receipt, out, out_descs, {})
-                send({"op": "receipt", "seq": seq, "cid": cid, "result": skeleton, "arrays": out_descs,
-                      "nbytes": nbytes}, out)
-
-            try:
-                totals = client_side_sum(clients, method, args, command["keys"], np.dtype(command["dtype"]),
-                                         hooks=_test_hooks, done=report, upper=command["upper_keys"])[0]
-            except Exception as err:
-                error(None, method, err)
-                continue
-            out, out_descs = [], []
-            skeleton = _flatten(totals, out, out_descs, {}, packed_keys=command["packed_keys"])
-            requests = send({"op": "partial", "seq": seq, "result": skeleton, "arrays": out_descs,
-                             "nbytes": int(sum(b.nbytes for b in out))}, out, blocking=False)
-            partial_sends = [(request, out) for request in requests]
-            del totals
             continue
         stop = None
         for cid, kwargs in args.items():
