@@ -29,8 +29,9 @@ import numpy as np
 
 import fastls
 
+from .secure import FixedPoint, SecureAggregationError, fraction_bits
 from .timing import Clock, RoundLog, payload_bytes
-from .transport import overall_accuracy, unpack_upper
+from .transport import Sum, overall_accuracy, unpack_upper
 
 __all__ = ["Variant", "VARIANTS", "adaptive_batch_sizes", "run_protocol", "AllClientsDropped", "survivors_solution"]
 
@@ -169,8 +170,6 @@ def _secure_setup(transport, secure, group_of):
         "secure_neighbours", {cid: {"public_keys": {nb: publics[nb] for nb in graph[cid]}} for cid in group_of})}
     _, failed = _relay(transport, secure, outgoing, group_of)
     if failed:
-        from .secure import SecureAggregationError
-
         raise SecureAggregationError(f"the key setup failed: client(s) {sorted(failed)} could not take their "
                                      f"neighbours' key shares ({next(iter(failed.values()))})")
     return sum(len(blob) for shares in outgoing.values() for blob in shares.values()) + sum(map(len, publics.values()))
@@ -247,8 +246,6 @@ def _secure_sum(transport, secure, args, context, stat_dtype):
     ``withheld`` is None, or why the sum was not unmasked: fewer survivors
     than ``secure.min_group_size`` (the Sum then has no totals).
     """
-    from .secure import FixedPoint, fraction_bits
-    from .transport import Sum
 
     bound = transport.sum("secure_bound", {c: {**kwargs, "summed": list(UPLOADED), "upper": list(_UPPER)}
                                            for c, kwargs in args.items()}, ())
@@ -551,8 +548,6 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
                 log.transport.update({f"group {k} {where}": v for where, v in outcome.transport.items()})
                 if why_withheld is not None:
                     if n_groups == 1:
-                        from .secure import SecureAggregationError
-
                         raise SecureAggregationError(f"layer {position + 1}: {why_withheld}, and there is no other "
                                                      f"group's sum to solve it on")
                     withheld[k] = why_withheld
@@ -601,8 +596,6 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
                 # now, so that the clients' side can end this command before the next (or a stop).
                 stream.close()
         if withheld and pooled is None:
-            from .secure import SecureAggregationError
-
             raise SecureAggregationError(f"layer {position + 1}: no group's secure sum could be unmasked ("
                                          + "; ".join(f"group {k}: {why}" for k, why in sorted(withheld.items())) + ")")
         if pending or withheld:
