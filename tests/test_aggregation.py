@@ -131,16 +131,14 @@ def test_missing_the_round_deadline_is_a_dropout(rng):
 
 
 class _SlowClient(Client):
-    """A client that straggles (sleeps ``delay_s``) or fails (``fail``) in the statistics of one layer."""
+    """A client that straggles: its statistics of one layer take ``delay_s`` more."""
 
-    def __init__(self, *args, slow_layer=0, delay_s=0.0, fail=False, **kwargs):
+    def __init__(self, *args, slow_layer=0, delay_s=0.0, **kwargs):
         super().__init__(*args, **kwargs)
-        self.slow_layer, self.delay_s, self.fail = slow_layer, delay_s, fail
+        self.slow_layer, self.delay_s = slow_layer, delay_s
 
     def _statistics(self, position, *args, **kwargs):
         if position == self.slow_layer:
-            if self.fail:
-                raise ClientDropout(f"client {self.client_id}: failed in layer {position + 1}")
             time.sleep(self.delay_s)
         return super()._statistics(position, *args, **kwargs)
 
@@ -151,10 +149,12 @@ def test_only_the_clients_past_the_round_deadline_drop_out_of_that_round(rng):
     x, y = make_data(rng, n=240)
     parts = np.array_split(rng.permutation(240), 5)
 
-    def run(slow, deadline=None, **straggling):
+    def run(slow, deadline=None, fail=False, **straggling):
         clients = [_SlowClient(i, client_data(x, y, p), dnn_config(x.shape[1]), seed=3, n_classes=N_CLASSES,
                                slow_layer=1, round_deadline_s=deadline, **(straggling if i in slow else {}))
                    for i, p in enumerate(parts)]
+        if fail:
+            clients = [FailsOn(c, positions={1}) if c.client_id in slow else c for c in clients]
         return run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], batch_size=16)
 
     late = run({1, 3}, deadline=0.25, delay_s=0.5)
