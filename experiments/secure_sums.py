@@ -204,6 +204,9 @@ def main():
 
     if "dropouts" in parts:
         report["dropouts"] = {}
+        # Fresh clients of the same data for the survivors' reference (it sets their earlier layers itself).
+        reference_config = RunConfig(**mnist_base)
+        reference_clients = make_clients(reference_config, mnist, build(reference_config, mnist).config())
         for name, extra in (("none", {}), ("plain 0.1", {"drop_clients": 0.1}),
                             ("secure 0.1", {"drop_clients": 0.1, "secure": True})):
             results = run(RunConfig(**mnist_base, **extra), dataset=mnist)
@@ -211,11 +214,9 @@ def main():
             report["dropouts"][name] = {"accuracy": results["accuracy"], "dropped_per_round": dropped,
                                         "weights": results["group_weights"]}
             if extra:
-                # Centralized ACnnL on each layer's survivors, from fresh clients of the same data.
-                config = RunConfig(**mnist_base)
-                clients = make_clients(config, mnist, build(config, mnist).config())
-                reference = survivors_solution(clients, list(results["rounds"].values()), results["group_weights"][0],
-                                               gamma=config.gamma)
+                # Centralized ACnnL on each layer's survivors.
+                reference = survivors_solution(reference_clients, list(results["rounds"].values()),
+                                               results["group_weights"][0], gamma=reference_config.gamma)
                 report["dropouts"][name]["vs_survivors_rel_diff"] = weight_difference(
                     results, {"group_weights": {0: reference}})
         report["dropouts"]["secure_vs_plain_rel_diff"] = weight_difference(
