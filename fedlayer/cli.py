@@ -73,7 +73,8 @@ def _run_parser(sub):
         options = constraints[0].values if len(constraints) == 1 and isinstance(constraints[0], Options) else None
         if field.name == "cores":
             p.add_argument(flag, type=_flag_type(constraints, "cores"), default=None, metavar="N[,N...]",
-                           help="comma-separated cores per client, cycled (default: random 1..available per seed)")
+                           help="comma-separated cores per client, cycled, each at most the cores this process may run on "
+                                "(default: random 1..available per seed)")
         elif field.name == "hyper":
             p.add_argument(flag, type=_hyper_items, default=None, metavar="KEY=VALUE[,KEY=VALUE...]",
                            help="baseline hyperparameter overrides, e.g. lr=1e-4,b2=50 (defaults: "
@@ -132,6 +133,11 @@ def _summary(results):
             f"(accuracy stays near chance, 1/{results['n_classes']}, until the last layer is trained: hidden "
             "layers are fitted to encoded labels, and the output layer keeps its random initial weights until "
             "its own round)")
+    if cfg.get("resume"):
+        resumed = results.get("resumed_from_layer")
+        lines.append(f"(resumed from the checkpoint after layer {resumed})" if resumed is not None else
+                     f"(--resume found no checkpoint at {RunConfig.from_dict(cfg).checkpoint_path()}, so "
+                     "the run started from its first layer)")
     lines.extend(_regularization_lines(results["rounds"]))
     lines.append(
         f"final accuracy {results['accuracy']:.4f}; averaged total training time per client {t['total_s']:.3f} s "

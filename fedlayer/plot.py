@@ -18,8 +18,7 @@ def plot_results(results_path, out_dir=None):
     from matplotlib.ticker import MaxNLocator
 
     results_path = Path(results_path)
-    with open(results_path) as f:
-        results = json.load(f)
+    results = _read_results(results_path)
     out = Path(out_dir) if out_dir else results_path.parent
     out.mkdir(parents=True, exist_ok=True)
     cfg = results["config"]
@@ -74,6 +73,21 @@ def plot_results(results_path, out_dir=None):
     plt.close(fig)
     gcv_png = _plot_gcv(results, out / "gcv.png", title, plt)
     return [accuracy_png, time_png] + ([gcv_png] if gcv_png else [])
+
+
+def _read_results(path):
+    """The parsed results.json, or ValueError naming the file and what it lacks."""
+    with open(path) as f:
+        try:
+            results = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not a fedlayer results.json: not JSON ({err})") from None
+    needed = ("config", "n_clients", "rounds")
+    missing = [key for key in needed if key not in results] if isinstance(results, dict) else list(needed)
+    if missing:
+        raise ValueError(f"{path} is not a fedlayer results.json: it lacks {missing} "
+                         f"(expected the file `fedlayer run --output DIR` writes as DIR/results.json)")
+    return results
 
 
 def _plot_gcv(results, path, title, plt):

@@ -215,6 +215,7 @@ def make_clients(config: RunConfig, dataset, model_config, client_ids=None, max_
     ``max_cores``: a cap on every client's cores (an MPI rank's share of its node).
     """
     algorithm = ALGORITHMS[config.algorithm]
+    check_cores(config)
     cores = client_cores(len(dataset.clients), config.seed, config.cores)
     if max_cores is not None:
         cores = [min(c, int(max_cores)) for c in cores]
@@ -272,6 +273,16 @@ def build(config: RunConfig, dataset):
                        dtype=np.dtype(config.dtype), padding=config.padding)
 
 
+def check_cores(config: RunConfig):
+    """Refuse clients of more cores than this process may run on, before any work is done."""
+    available = fastls.available_cores()
+    if config.cores and max(config.cores) > available:
+        # A client timed on fewer cores than it stands for would make eq. (7) and the idle times describe
+        # another machine: refuse rather than record 4-core clients that ran on 2.
+        raise ValueError(f"cores: a client of {max(config.cores)} cores needs that many cores to run on, but this "
+                         f"process may run on {available}; give --cores values of at most {available}")
+
+
 def check_output_paths(config: RunConfig):
     """Refuse an output or checkpoint path that cannot be written, before any work is done.
 
@@ -322,6 +333,7 @@ def run(config: RunConfig, transport=None, progress=None, dataset=None):
         baselines).
     """
     config.validate()
+    check_cores(config)
     check_output_paths(config)
     algorithm = ALGORITHMS[config.algorithm]
     start = time.perf_counter()

@@ -196,6 +196,39 @@ def test_missing_config_file_is_named(tmp_path, capsys):
     assert f"config {tmp_path / 'absent.json'}: cannot read it" in err
 
 
+def test_clients_of_more_cores_than_the_process_has_are_refused(capsys, no_training):
+    """A 4-core client timed on 2 cores would describe another machine: refused before any work."""
+    import fastls
+
+    too_many = fastls.available_cores() + 1
+    status, err = fedlayer(["run", *SMALL, "--cores", f"1,{too_many}"], capsys)
+    assert status == 2
+    assert f"a client of {too_many} cores" in err and f"at most {fastls.available_cores()}" in err
+
+
+@pytest.mark.parametrize("content,message", [
+    ("not json", "not JSON"),
+    ("[1, 2]", "it lacks ['config', 'n_clients', 'rounds']"),
+    ('{"config": {}}', "it lacks ['n_clients', 'rounds']"),
+])
+def test_plot_names_a_file_that_is_not_a_results_json(tmp_path, capsys, content, message):
+    path = tmp_path / "results.json"
+    path.write_text(content)
+    status, err = fedlayer(["plot", str(path)], capsys)
+    assert status == 2
+    assert f"{path} is not a fedlayer results.json" in err and message in err
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_resume_without_a_checkpoint_says_it_started_over(tmp_path, capsys):
+    out = tmp_path / "run"
+    flags = ["run", "--algorithm", "fedacnnl", "--clients", "6", "--model", "lr", "--output", str(out), "--resume"]
+    assert main(flags) == 0
+    assert f"--resume found no checkpoint at {out / 'checkpoint.npz'}" in capsys.readouterr().out
+    assert main(flags) == 0
+    assert "(resumed from the checkpoint after layer 1)" in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------- #
 # fedlayer predict: the split saved with the model
 # --------------------------------------------------------------------------- #
