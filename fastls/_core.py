@@ -188,9 +188,29 @@ def gram_update(G, X, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
         _kernels.add_upper(G, T)
         return G
     if check_finite:
-        _check_finite("X", X)
+        _check_gram_input(X, min(n, block_rows) if mixed else n)
     _gram_into(G, X, mixed, block_rows)
     return G
+
+
+def _check_gram_input(X, rows):
+    """X is finite and no column's sum of squares over ``rows`` consecutive rows overflows X's dtype.
+
+    The BLAS product sums squares in X's dtype (per block of ``rows`` on the
+    mixed path), so a finite X can still make G infinite. One pass checks the
+    bound max x^2 * rows; only an X that fails it pays for the exact sums.
+    """
+    flat = X if X.flags.c_contiguous else X.T
+    if _kernels.squares_finite(flat.reshape(flat.shape[0], -1), float(rows)):
+        return
+    _check_finite("X", X)
+    limit = np.finfo(X.dtype).max
+    for start in range(0, X.shape[0], rows):
+        block = X[start:start + rows]
+        if (np.einsum("ij,ij->j", block, block, dtype=np.float64) > limit).any():
+            raise ValueError(f"X holds values whose squares overflow {X.dtype} in the Gram (largest |x| "
+                             f"{float(np.abs(X).max()):.3g}); expected finite values that {X.dtype} can square "
+                             f"and sum")
 
 
 # Largest d x d temporary gram_update uses to check finiteness on the

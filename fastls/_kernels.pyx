@@ -959,6 +959,37 @@ cdef bint _finite_run(const floating *a, Py_ssize_t n) noexcept nogil:
 
 
 
+cdef bint _squares_run(const floating *a, Py_ssize_t n, floating scale) noexcept nogil:
+    """True when every a[i] * a[i] * scale is finite (and so every a[i]); the partial sums as in _finite_run."""
+    cdef floating acc[8]
+    cdef floating s
+    cdef Py_ssize_t i, j, n8 = n - n % 8
+    for j in range(8):
+        acc[j] = 0
+    for i in range(0, n8, 8):
+        for j in range(8):
+            s = a[i + j] * a[i + j] * scale
+            acc[j] += s - s
+    for i in range(n8, n):
+        s = a[i] * a[i] * scale
+        acc[0] += s - s
+    for j in range(1, 8):
+        acc[0] += acc[j]
+    return acc[0] == 0
+
+
+def squares_finite(const floating[:, ::1] A, double scale):
+    """True when every A[i, j]^2 * scale is finite in A's dtype (no temporary array)."""
+    cdef Py_ssize_t n = A.shape[0] * A.shape[1], start = 0, step = 1 << 16
+    cdef floating factor = <floating>scale
+    cdef bint ok = True
+    with nogil:
+        while ok and start < n:
+            ok = _squares_run(&A[0, 0] + start, min(step, n - start), factor)
+            start += step
+    return ok
+
+
 def upper_finite(const floating[:, :] G):
     """True when no entry of the upper triangle of a contiguous square G is NaN or +-Inf."""
     cdef Py_ssize_t i, d = G.shape[0]

@@ -664,6 +664,26 @@ def test_gram_update_diagonal_check_refuses_overflow_and_nan(rng, dtype):
     np.testing.assert_array_equal(G, G_before)
 
 
+@pytest.mark.parametrize("x_dtype,g_dtype", [(np.float32, np.float32), (np.float32, np.float64),
+                                             (np.float64, np.float64)])
+@pytest.mark.parametrize("n", [3, 23, 400])   # the scan of X (N < 4 d) and the product's diagonal (N >= 4 d)
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_gram_update_refuses_overflowing_squares_on_every_path(rng, x_dtype, g_dtype, n, order):
+    X = np.asarray(random(rng, (n, 6), x_dtype), order=order)
+    G = np.asarray(random(rng, (6, 6), g_dtype), order=order)
+    G_before = G.copy()
+    X[1, 2] = np.sqrt(np.finfo(x_dtype).max) * 2   # finite, but its square overflows the product's dtype
+    with pytest.raises(ValueError, match="overflow"):
+        fastls.gram_update(G, X)
+    np.testing.assert_array_equal(G, G_before)
+    # Large but summable: the one-pass bound (max x^2 * rows) trips, the exact sums accept it.
+    X[1, 2] = np.sqrt(np.finfo(x_dtype).max / 2)
+    fastls.gram_update(G, X)
+    reference = G_before.astype(np.float64) + X.astype(np.float64).T @ X.astype(np.float64)
+    assert np.isfinite(np.triu(G)).all()
+    assert_close(np.triu(G), np.triu(reference), x_dtype, n_terms=n)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_solves_on_the_coordinates_of_an_rhs_basis(rng, dtype):
     """Targets encoded as Z = Y Q: solving on k columns gives the same weights as on m."""
