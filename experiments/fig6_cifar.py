@@ -48,8 +48,9 @@ from pathlib import Path
 import numpy as np
 
 import fastls
-from dev_layout import use_shared_data
+from dev_layout import REPOSITORY, use_shared_data
 from fedlayer.checkpoint import load_checkpoint
+from fedlayer.client import personalization_costs, target_bases
 from fedlayer.models import DCNN_PADDINGS, Conv2d, build_model
 from fedlayer.run import RunConfig, load_dataset, run
 from fedlayer.timing import time_summary
@@ -192,6 +193,25 @@ def layer_work(model, n_train, methods=None):
     return work
 
 
+def dual_ids(record, model, position, dataset, basis):
+    """Ids (keys of ``record["clients"]``) of the clients that solved this personalization round in the dual.
+
+    The form each client recorded, or for runs that did not record it the
+    cost rule the client applies (:func:`fedlayer.client.personalization_costs`).
+    """
+    index = model.trainable[position]
+    layer, shape = model.layers[index], model.input_shape_of(index)
+    ids = []
+    for cid, client in record["clients"].items():
+        form = client.get("form")
+        if form is None:
+            costs = personalization_costs(layer, shape, dataset.clients[int(cid)].n_train, basis)
+            form = "dual" if costs["dual"] < costs["primal"] else "primal"
+        if form == "dual":
+            ids.append(cid)
+    return ids
+
+
 def without_personalization(results):
     """-WP: pFedACnnL's rounds up to the end of its federated stage."""
     rounds = {k: r for k, r in results["rounds"].items() if r["stage"] != "personalization"}
@@ -275,6 +295,9 @@ def report(args):
         if shared and f.get("derived"):
             rss = shared["peak_rss_bytes"]  # the process that trained the stage, when recorded
             notes.append(f"{algorithm}: wall time = {shared['from']}'s federated stage ({shared['wall']}).")
+        elif f.get("derived"):
+            notes.append(f"{algorithm}: {f['derived']}; its peak memory is that whole process's, "
+                         f"personalization included.")
         if shared and not f.get("derived"):
             wall = f"{shared['wall_s']:.0f} + {f['wall_s']:.0f}"
             rss = max(rss, shared["peak_rss_bytes"] or 0)
@@ -317,17 +340,24 @@ def report(args):
     lines += [f"| {a} | " + " | ".join("-" if v is None else f"{100 * v:.1f}" for v in c) + " |"
               for a, c in curves.items()]
 
+    bases = target_bases(model, args.seed, args.conv_targets)
     for algorithm, results in runs.items():
         if results["fig6"].get("derived"):
             continue
         rate = results["fig6"]["gemm_float32_flops_per_s"]
+        shared = results.get("fig6_shared_stage")
+        # Rounds resumed from another run's checkpoint were measured in that run, against its gemm rate.
+        shared_rate = runs[shared["from"]]["fig6"]["gemm_float32_flops_per_s"] \
+            if shared and shared.get("from") in runs else rate
         methods = results["fig6"].get("forward_methods")
         work = layer_work(model, n_train, methods)
+        rates = f"{rate / 1e9:.0f} GFLOP/s at the start of the run" if shared_rate == rate else \
+            (f"{shared_rate / 1e9:.0f} GFLOP/s at the start of {shared['from']}'s run for its federated stage, "
+             f"{rate / 1e9:.0f} for this run's personalization")
         lines += [
             "",
-            f"### {algorithm}: time per layer, summed over the clients (float32 gemm measured at "
-            f"{rate / 1e9:.0f} GFLOP/s at the start of the run; forward convolutions by "
-            f"{'im2col' if methods is None else ' / '.join(methods)})",
+            f"### {algorithm}: time per layer, summed over the clients (float32 gemm measured at {rates}; forward "
+            f"convolutions by {'im2col' if methods is None else ' / '.join(methods)})",
             "",
             "| stage | layer | forward s | statistics s | client solve s | floor s | clients / floor | "
             "server solve s | evaluation s |",
@@ -339,8 +369,20 @@ def report(args):
             position = record["layer"]
             parts = [c.get("parts", {}) for c in record["clients"].values()]
             forward, stats, solve = (sum(p.get(k, 0.0) for p in parts) for k in ("forward_s", "stats_s", "solve_s"))
-            floor = sum(work[position]) / rate
-            ratio = (forward + stats) / floor if floor else float("nan")
+            floor_flops, timed = sum(work[position]), forward + stats
+            if record["stage"] == "personalization":
+                ids = dual_ids(record, model, position, dataset, bases[position])
+                if ids:
+                    # A dual client forms X X^T inside its solve: its floor is that product, its time the solve.
+                    index = model.trainable[position]
+                    layer, shape = model.layers[index], model.input_shape_of(index)
+                    samples = [dataset.clients[int(cid)].n_train for cid in ids]
+                    floor_flops -= work[position][1] * sum(samples) / n_train
+                    floor_flops += sum(float(n * layer.rows_per_sample(shape)) ** 2 * layer.ls_shape(shape)[0]
+                                       for n in samples)
+                    timed += sum(record["clients"][cid].get("parts", {}).get("solve_s", 0.0) for cid in ids)
+            floor = floor_flops / (rate if record["stage"] == "personalization" else shared_rate)
+            ratio = timed / floor if floor else float("nan")
             lines.append(
                 f"| {record['stage']} | {position + 1} | {forward:.1f} | {stats:.1f} | {solve:.1f} | {floor:.1f} | "
                 f"{ratio:.2f} | {record['server_s']:.1f} | {record.get('eval_s', 0.0):.1f} |")
@@ -348,14 +390,18 @@ def report(args):
         "",
         "The floor counts the forward pass into the layer by the method the run used (im2col: 2 N P d m; "
         "Winograd F(2x2, 3x3): 2 N (tiles) 16 C F) and the statistics by the method fastls "
-        "picks (the overlap's displacement products on stride-1 maps, else N P d^2) at the float32 gemm rate; "
-        "solves run in float64 and are not in it. Personalization rounds also redo the statistics (primal) or "
+        "picks (the overlap's displacement products on stride-1 maps, else N P d^2) at the float32 gemm rate "
+        "measured in the run that timed the round; solves run in float64 and are not in it, except in the "
+        "personalization rounds a client solves in the dual form (fewer rows n than inputs d, as a client's "
+        "`proximal_cost` picks: clients with few images from layer 3 on, every client in layers 4 and 5 here): it forms no statistics, so its floor counts X X^T "
+        "(n^2 d) instead of N P d^2, and its time is the forward pass plus its whole solve (X X^T, the n x n "
+        "Cholesky and the products with M). Personalization rounds also redo the statistics (primal) or "
         "build the patch rows (dual) through the client's own earlier layers.",
         "",
         "Discussion of these figures, and what is still open: [fig6_notes.md](fig6_notes.md).",
     ]
     if args.padding == "valid":
-        lines += ["", padding_sentence(out / "fig6_padding.json", out / "fig6_dual_classifier.json")]
+        lines += ["", padding_sentence(Path(args.padding_json), Path(args.dual_json))]
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(curves, out / f"{args.name}_accuracy.png", args.width)
@@ -399,6 +445,10 @@ def main():
     parser.add_argument("--padding", choices=DCNN_PADDINGS, default="valid",
                         help="the DCNN's convolutions ('same' at full width needs a 137 GB classifier Gram)")
     parser.add_argument("--name", default="fig6", help="the report's file names: NAME.md, NAME_accuracy.png")
+    parser.add_argument("--padding-json", default=str(REPOSITORY / "docs" / "results" / "fig6_padding.json"),
+                        help="experiments/fig6_padding.py's rows, quoted by the report")
+    parser.add_argument("--dual-json", default=str(REPOSITORY / "docs" / "results" / "fig6_dual_classifier.json"),
+                        help="experiments/fig6_dual_classifier.py's rows, quoted by the report")
     parser.add_argument("--redo", action="store_true", help="run again algorithms already in --runs")
     parser.add_argument("--report", action="store_true", help="only rebuild the report from --runs")
     parser.add_argument("--one", choices=RUN_ALGORITHMS, help=argparse.SUPPRESS)  # the child process

@@ -592,7 +592,7 @@ class ConvStats:
       displacement is multiplied once per cell of the map (cells: the pieces
       into which the window edges cut it), cells that lie in the same windows
       in one product, and the k^2 x k^2 blocks are assembled from those
-      products: about 2.6x fewer multiply-adds than im2col on a 14 x 14 map
+      products: about 2.85x fewer multiply-adds than im2col on a 14 x 14 map
       with a 3 x 3 kernel. The products are kept per group (one
       channels x channels matrix each, :attr:`state_bytes`) across calls and
       added into G's blocks by :meth:`finish`, so small batches do not pay

@@ -130,6 +130,20 @@ def encoder_widths(model, conv_targets="position"):
     return widths
 
 
+def personalization_costs(layer, input_shape, n_samples, basis):
+    """Flops of a client's proximal solve of ``layer`` in each form (:func:`fastls.proximal_cost`).
+
+    ``n_samples`` training samples give ``rows_per_sample`` least-squares rows
+    each; with encoded targets (``basis``, see :func:`target_bases`) the
+    right-hand sides have the basis's columns, not the layer's outputs. A
+    client takes the dual form where ``costs["dual"] < costs["primal"]``.
+    """
+    n_in, n_out = layer.ls_shape(input_shape)
+    n_rhs = n_out if basis is None else basis.shape[0]
+    return fastls.proximal_cost(n_samples * layer.rows_per_sample(input_shape), n_in, n_rhs,
+                                gram_flops=layer.gram_flops(input_shape, n_samples))
+
+
 def target_bases(model, seed, conv_targets="position"):
     """Per trainable layer, the basis its targets are encoded in: Q_l in the model dtype, or None.
 
@@ -693,12 +707,10 @@ class Client:
         layer_index = self.model.trainable[position]
         layer = self.model.layers[layer_index]
         input_shape = self.model.input_shape_of(layer_index)
-        n_in, n_out = layer.ls_shape(input_shape)
+        n_in = layer.ls_shape(input_shape)[0]
         n_rows = self.data.n_train * layer.rows_per_sample(input_shape)
         basis = self.bases[position]
-        # With encoded targets the right-hand sides have n_classes columns, not n_out.
-        n_rhs = n_out if basis is None else basis.shape[0]
-        costs = fastls.proximal_cost(n_rows, n_in, n_rhs, gram_flops=layer.gram_flops(input_shape, self.data.n_train))
+        costs = personalization_costs(layer, input_shape, self.data.n_train, basis)
         M = self.meta_weights[position].astype(self.stat_dtype, copy=False)
         start = time.perf_counter()
         if eps == "auto":
@@ -712,15 +724,15 @@ class Client:
                 stats_s = 0.0
                 solve_start = time.perf_counter()
                 W = fastls.proximal_solve_dual(A, Z, eps, M, rhs_basis=basis)
-                method = "dual"
+                form = "dual"
             else:
                 G, C, forward_s, stats_s = self._statistics(position, int(batch_size), None)
                 solve_start = time.perf_counter()
                 W = fastls.proximal_solve(G, C, eps, M, overwrite_g=True, overwrite_c=True,
                                           rhs_basis=basis)
-                method = "primal"
+                form = "primal"
             solve_s = time.perf_counter() - solve_start
-        return W, {"compute_s": time.perf_counter() - start, "method": method,
+        return W, {"compute_s": time.perf_counter() - start, "form": form,
                    "parts": {"forward_s": forward_s, "stats_s": stats_s, "solve_s": solve_s}}
 
     def _personalize_auto(self, position, batch_size, M, n_rows, n_in, start):

@@ -646,6 +646,8 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
                 log.up[cid] = 0.0
                 if "eps" in result:
                     log.chosen[cid] = {"eps": float(result["eps"]), "criterion": result["method"]}
+                elif "form" in result:
+                    log.chosen[cid] = {"form": result["form"]}  # the proximal solve's primal or dual form
             rounds.append(log.record(_timed_accuracy(log, transport, evaluated(n_layers + position + 1))))
             if progress:
                 progress(f"layer {position + 1}/{n_layers} personalized, {status()}")

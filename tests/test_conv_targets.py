@@ -103,7 +103,7 @@ def test_position_codes_solve_on_their_stacked_codes(rng):
         M = client.meta_weights[position]
         expected = np.linalg.solve(A.T @ A + eps * np.eye(A.shape[1]), A.T @ Z + eps * M)
         W, record = client._personalize(position, eps, 16)
-        assert record["method"] == method
+        assert record["form"] == method
         assert_close(W, expected, np.float64, rtol=1e-9)
     # eps chosen by leave-one-out from the rows: the coordinates in the stacked codes pick what the full targets pick.
     A = model.layers[model.trainable[3]].ls_rows(model.forward(x, stop=model.trainable[3]))

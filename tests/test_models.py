@@ -655,7 +655,7 @@ def test_client_cache_equals_recompute(rng, tmp_path, cache_ram_bytes):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["client3_test_layer8.npy", "client3_train_layer7.npy"]
     for position in range(n_layers):
         result = client.personalize(position, 2500.0, batch_size=7)
-        assert result["method"] in ("primal", "dual")
+        assert result["form"] in ("primal", "dual")
         index = client.model.trainable[position]
         x = reference.forward(client.data.x_train, stop=index)
         layer = reference.layers[index]
@@ -724,8 +724,16 @@ def test_personalization_takes_the_dual_where_rows_are_few(rng, tmp_path):
         client.set_weights(position, fastls.ridge_solve(stats["G"], stats["C"], 100.0,
                                                         rhs_basis=client.bases[position]))
     # The classifier: 23 samples against 2 * 2 * 32 + 1 inputs; the first convolution: 23 * 784 patches of 76.
-    assert client.personalize(4, 2500.0, batch_size=8)["method"] == "dual"
-    assert client.personalize(0, 2500.0, batch_size=8)["method"] == "primal"
+    assert client.personalize(4, 2500.0, batch_size=8)["form"] == "dual"
+    assert client.personalize(0, 2500.0, batch_size=8)["form"] == "primal"
+    # The cost rule the client applies, as reports reuse it for runs that did not record the form.
+    from fedlayer.client import personalization_costs
+
+    for position, form in ((4, "dual"), (0, "primal")):
+        index = client.model.trainable[position]
+        costs = personalization_costs(client.model.layers[index], client.model.input_shape_of(index),
+                                      client.data.n_train, client.bases[position])
+        assert ("dual" if costs["dual"] < costs["primal"] else "primal") == form
 
 
 def test_clients_share_weights_and_park_their_own(rng, tmp_path):
