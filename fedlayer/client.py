@@ -259,7 +259,8 @@ class Client:
     cache_dir : path or None
         Where activations too large for RAM (over ``cache_ram_bytes``) are
         kept as memory-mapped ``.npy`` files; None: a temporary folder,
-        removed with the client.
+        removed with the client. Files of this client id already there
+        (left by a process that was killed) are removed at construction.
     cache_ram_bytes : int, default=16 MiB
         Activations of one split up to this size stay in memory.
     conv_targets : {"position", "image"}, default="position"
@@ -319,6 +320,10 @@ class Client:
         self.meta_weights = {}  # position -> the group's meta-model weights, kept for personalization
         self.cache_ram_bytes = int(cache_ram_bytes)
         self._cache_dir = Path(cache_dir) if cache_dir is not None else None
+        if self._cache_dir is not None:
+            # Files a killed process left for this client (a resumed run names its files anew): its
+            # finalizers never ran, and nothing else would remove them.
+            _remove_files(set(self._cache_dir.glob(f"client{self.client_id}_*.npy")))
         self._activations = {}  # split -> (layer index whose input it is, array or .npy path)
         self._files = set()     # .npy files of this client, removed when it is dropped or collected
         self._parked = {}       # layer index -> .npy file of its personalized weights (see _resident)

@@ -668,6 +668,39 @@ def test_client_cache_equals_recompute(rng, tmp_path, cache_ram_bytes):
         assert client.evaluate()["correct"] == reference.accuracy(client.data.x_test, client.data.y_test)[0]
 
 
+@pytest.mark.parametrize("cache_ram_bytes", [0, 2**30])
+def test_each_round_starts_from_the_previous_layers_cache(rng, tmp_path, cache_ram_bytes):
+    """Every training image passes each trained layer once per stage: layer l's round runs only layer l-1."""
+    client = _small_cnn_client(rng, cache_ram_bytes, tmp_path, dtype=np.float32)
+    calls = []
+    forward = client.model.forward
+
+    def recorded(x, *, start=0, stop=None, **options):
+        calls.append((start, stop, len(x)))
+        return forward(x, start=start, stop=stop, **options)
+
+    client.model.forward = recorded
+    trainable = client.model.trainable
+    for position in range(len(trainable)):
+        calls.clear()
+        result = client.local_stats(position, batch_size=5)
+        client.set_weights(position, fastls.ridge_solve(result["G"], result["C"], 10.0,
+                                                        rhs_basis=client.bases[position]))
+        previous = trainable[position - 1] if position else 0
+        # The training split only, from the cached input of the previous trainable layer up to this one.
+        assert {(start, stop) for start, stop, _ in calls} <= ({(previous, trainable[position])} if position else set())
+        assert sum(n for *_, n in calls) == (client.data.n_train if position else 0)
+
+
+def test_a_new_client_removes_the_files_a_killed_process_left_it(rng, tmp_path):
+    stale = [tmp_path / "client3_test_layer4.npy", tmp_path / "client3_train_layer7.npy"]
+    others = [tmp_path / "client30_test_layer4.npy", tmp_path / "notes.txt"]
+    for path in stale + others:
+        path.write_bytes(b"left by a killed run")
+    _small_cnn_client(rng, 0, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in others)
+
+
 def test_a_full_disk_stops_the_cache_with_a_clear_error_and_no_file(rng, tmp_path, monkeypatch):
     """The cache's blocks are reserved up front: no room is an OSError naming the folder, not a SIGBUS later."""
     import errno
