@@ -65,6 +65,27 @@ def test_overlap_equals_im2col_float64(shape, seed):
     np.testing.assert_array_equal(np.tril(G, -1), np.tril(G0, -1))
 
 
+@settings(max_examples=60, deadline=None)
+@given(geometry, st.integers(0, 2**31 - 1), st.sampled_from([np.float32, np.float64]),
+       st.sampled_from(["overlap", "im2col", "auto"]), st.sampled_from([1, 3, 4096]), st.integers(1, 5))
+def test_float32_images_equal_im2col_in_float64(shape, seed, g_dtype, method, block_rows, m):
+    """float32 data, into float32 or float64 G: the float32 tolerance over the rows of each sum."""
+    drawn = draw_images(shape, seed)
+    if drawn is None:
+        return
+    rng, images, (kh, kw, ph, pw, bias, order) = drawn
+    images = images.astype(np.float32)
+    targets = rng.standard_normal((len(images), m)).astype(np.float32)
+    G_ref, C_ref = reference(images, targets, (kh, kw), (ph, pw), bias)
+    d = G_ref.shape[0]
+    G, C = np.zeros((d, d), g_dtype, order=order), np.zeros((d, m), g_dtype)
+    fastls.conv_gram_update(G, C, images, targets, (kh, kw), padding=(ph, pw), append_ones=bias, method=method,
+                            block_rows=block_rows)
+    rows = fastls.im2col(images, (kh, kw), padding=(ph, pw)).shape[0]  # terms of each sum
+    assert_close(np.triu(G), np.triu(G_ref), np.float32, rows)
+    assert_close(C, C_ref, np.float32, rows)
+
+
 @pytest.mark.parametrize("g_dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("block_rows", [3, 4096])
 def test_overlap_float32_images(rng, g_dtype, block_rows):
