@@ -102,9 +102,13 @@ def _layout(A):
 def _check_finite(name, A):
     if A.size == 0:
         return
-    # The transpose of an F-ordered array is C-ordered: scan memory in order.
-    flat = A if A.flags.c_contiguous else A.T
-    if not _kernels.all_finite(flat.reshape(flat.shape[0], -1)):
+    if A.flags.c_contiguous or A.flags.f_contiguous:
+        # The transpose of an F-ordered array is C-ordered: scan memory in order.
+        flat = A if A.flags.c_contiguous else A.T
+        finite = _kernels.all_finite(flat.reshape(flat.shape[0], -1))
+    else:
+        finite = bool(np.isfinite(A).all())  # a strided view (e.g. every other column)
+    if not finite:
         raise ValueError(f"{name} contains NaN or Inf; expected finite values")
 
 
@@ -193,6 +197,37 @@ def gram_update(G, X, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
     return G
 
 
+def _squares_fit(A, rows):
+    """max a^2 * rows is finite in A's dtype (so is A): no sum of ``rows`` products of two such arrays' entries
+    overflows (Cauchy-Schwarz). One pass, no temporary."""
+    if not (A.flags.c_contiguous or A.flags.f_contiguous):
+        A = np.ascontiguousarray(A)
+    flat = A if A.flags.c_contiguous else A.T
+    return bool(_kernels.squares_finite(flat.reshape(flat.shape[0], -1), float(rows)))
+
+
+def _overflow_error(name, A, what):
+    return ValueError(f"{name} {'hold' if ' and ' in name else 'holds'} values whose products overflow {A.dtype} in {what} (largest |x| "
+                      f"{float(np.abs(A).max()):.3g}); expected finite values that {A.dtype} can multiply and sum")
+
+
+def _check_cross_input(X, Z, rows):
+    """X and Z are finite and no entry of X^T Z, summed over ``rows`` consecutive rows in their dtype, overflows.
+
+    The one-pass bound of :func:`_squares_fit` on both; only inputs that fail
+    it pay for the exact products in float64, block by block.
+    """
+    if _squares_fit(X, rows) and _squares_fit(Z, rows):
+        return
+    _check_finite("X", X)
+    _check_finite("Z", Z)
+    limit = np.finfo(X.dtype).max
+    for start in range(0, X.shape[0], rows):
+        block = slice(start, start + rows)
+        if (np.abs(X[block].astype(np.float64).T @ Z[block].astype(np.float64)) > limit).any():
+            raise _overflow_error("X and Z", X if np.abs(X).max() >= np.abs(Z).max() else Z, "X^T Z")
+
+
 def _check_gram_input(X, rows):
     """X is finite and no column's sum of squares over ``rows`` consecutive rows overflows X's dtype.
 
@@ -200,17 +235,14 @@ def _check_gram_input(X, rows):
     mixed path), so a finite X can still make G infinite. One pass checks the
     bound max x^2 * rows; only an X that fails it pays for the exact sums.
     """
-    flat = X if X.flags.c_contiguous else X.T
-    if _kernels.squares_finite(flat.reshape(flat.shape[0], -1), float(rows)):
+    if _squares_fit(X, rows):
         return
     _check_finite("X", X)
     limit = np.finfo(X.dtype).max
     for start in range(0, X.shape[0], rows):
         block = X[start:start + rows]
         if (np.einsum("ij,ij->j", block, block, dtype=np.float64) > limit).any():
-            raise ValueError(f"X holds values whose squares overflow {X.dtype} in the Gram (largest |x| "
-                             f"{float(np.abs(X).max()):.3g}); expected finite values that {X.dtype} can square "
-                             f"and sum")
+            raise _overflow_error("X", X, "the Gram")
 
 
 # Largest d x d temporary gram_update uses to check finiteness on the
@@ -291,8 +323,7 @@ def cross_update(C, X, Z, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
         return C
     X, Z = _as_input(X), _as_input(Z)
     if check_finite:
-        _check_finite("X", X)
-        _check_finite("Z", Z)
+        _check_cross_input(X, Z, min(X.shape[0], block_rows) if mixed else X.shape[0])
     layouts = (*_layout(C), X, *_layout(X), Z, *_layout(Z))
     with sized_threads(2.0 * X.shape[0] * X.shape[1] * Z.shape[1]):
         if mixed:
@@ -343,8 +374,13 @@ def matmul(X, W, *, out=None, check_finite=True):
     if X.shape[1] == 0:
         out[...] = 0
         return out
+    # BLAS reads X and W while it writes out: an out that overlaps them gets a product of half-overwritten
+    # inputs, so it receives the product through a temporary instead (as NumPy's matmul does).
+    target = np.empty_like(out) if np.may_share_memory(out, X) or np.may_share_memory(out, W) else out
     with sized_threads(2.0 * n * X.shape[1] * m):
-        _kernels.matmul_same(out, *_layout(out), X, *_layout(X), W, *_layout(W))
+        _kernels.matmul_same(target, *_layout(target), X, *_layout(X), W, *_layout(W))
+    if target is not out:
+        out[...] = target
     return out
 
 
@@ -389,7 +425,8 @@ def symmetrize(G, *, inplace=False):
     -------
     ndarray of shape (d, d)
     """
-    if G.ndim != 2 or G.shape[0] != G.shape[1]:
+    (_check_output if inplace else _check_array)("G", G, 2)
+    if G.shape[0] != G.shape[1]:
         raise ValueError(f"G must be a square matrix, got shape {G.shape}")
     out = G if inplace else G.copy()
     # By blocks of 512 columns: index arrays of the whole lower triangle would take 8 d^2 bytes.
@@ -414,6 +451,8 @@ def _pair(name, value):
         a, b = value
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be an int or a pair of ints, got {value!r}") from None
+    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in (a, b)):
+        raise ValueError(f"{name} must be an int or a pair of ints, got {value!r}")
     return int(a), int(b)
 
 
@@ -524,13 +563,15 @@ def scale_negatives(x, factor):
     Parameters
     ----------
     x : ndarray, float32 or float64, C- or Fortran-contiguous, writable
-    factor : float
+    factor : float, finite
 
     Returns
     -------
     x : the same array
     """
     _check_output("x", x, np.ndim(x))
+    if not isinstance(factor, numbers.Real) or isinstance(factor, bool) or not np.isfinite(factor):
+        raise ValueError(f"factor must be a finite number (the slope of the negative part), got {factor!r}")
     if x.size:
         _kernels.scale_negatives(x.reshape(-1, order="A"), float(factor))
     return x
@@ -753,6 +794,12 @@ class ConvStats:
         if check_finite:
             _check_finite("images", images)
             _check_finite("targets", targets)
+            # A statistic sums at most this batch's patch rows of products, in the dtype of the images:
+            # the bound of _squares_fit, conservative (a refused batch would need |x| near 1e17 in float32).
+            rows = images.shape[0] * self.geometry[-2] * self.geometry[-1]
+            for name, A in (("images", images), ("targets", targets)):
+                if not _squares_fit(A, rows):
+                    raise _overflow_error(name, A, f"the patch statistics of {images.shape[0]} images")
         self._dtype = images.dtype
         d = self.G.shape[0]
         out_h, out_w = self.geometry[-2:]
@@ -1119,16 +1166,28 @@ def _check_solve(G, C, shift, shift_name, meaning, on_failure, overwrite_g, chec
     return G, shift
 
 
-def _spd_solve(G, rhs, shift, shift_name, overwrite_g, on_failure, what):
-    """(G + shift I)^-1 rhs, rhs already an F-ordered working array; arguments checked."""
+def _spd_solve(G, rhs, shift, shift_name, overwrite_g, on_failure, what, prepare_rhs=None):
+    """(G + shift I)^-1 rhs, rhs already an F-ordered working array; arguments checked.
+
+    ``prepare_rhs(rhs)`` runs once G + shift I has factored: a caller's array
+    that rhs overwrites is then left as it was when the factorization fails.
+    """
     d = G.shape[0]
     if d == 0:
+        if prepare_rhs is not None:
+            prepare_rhs(rhs)
         return rhs
     in_place = overwrite_g and G.flags.writeable and (G.flags.c_contiguous or G.flags.f_contiguous)
     A = G if in_place else G.copy(order="F" if G.flags.f_contiguous else "C")
     _kernels.add_diagonal(A, shift)
     with sized_threads(d ** 3 / 3.0 + 2.0 * d * d * rhs.shape[1]):
-        info = _kernels.cholesky_solve(A, *_layout(A), rhs)
+        if prepare_rhs is None:
+            info = _kernels.cholesky_solve(A, *_layout(A), rhs)
+        else:
+            info = _kernels.cholesky_solve(A, *_layout(A), np.empty((d, 0), dtype=A.dtype, order="F"))
+            if info == 0:
+                prepare_rhs(rhs)
+                info = _kernels.cholesky_solve(A, *_layout(A), rhs, True)
     if info == 0:
         return rhs
     if info < 0:  # pragma: no cover - an argument error is a bug here
@@ -1145,6 +1204,8 @@ def _spd_solve(G, rhs, shift, shift_name, overwrite_g, on_failure, what):
         RuntimeWarning,
         stacklevel=3,
     )
+    if prepare_rhs is not None:
+        prepare_rhs(rhs)
     evals, evecs = scipy.linalg.eigh(symmetrize(np.asarray(G, dtype=rhs.dtype)), lower=False)
     evals = evals + shift
     tol = np.abs(evals).max() * d * np.finfo(rhs.dtype).eps
@@ -1161,6 +1222,7 @@ def _basis_coordinates(name, A, basis, dtype):
     if basis.shape[1] != A.shape[1] or basis.shape[0] >= basis.shape[1]:
         raise ValueError(f"rhs_basis must have shape (k, m) with k < m = {A.shape[1]} columns of {name}, "
                          f"got {basis.shape}")
+    _check_finite("rhs_basis", basis)
     Q = np.asarray(basis, dtype=dtype)
     # B = A Q^+ with Q^+ = Q^T (Q Q^T)^-1: k x k normal equations, well posed for a full-row-rank Q.
     # Products on SciPy's BLAS (matmul), as everywhere next to a solve (see _dual_rest).
@@ -1266,12 +1328,18 @@ def proximal_solve(G, C, eps, M, *, overwrite_g=False, overwrite_c=False, on_fai
     G, eps = _check_solve(G, C, eps, "eps", "the proximal weight", on_failure, overwrite_g, check_finite)
     if check_finite:
         _check_finite("M", _as_input(M))
-    rhs = _working_rhs(C, overwrite_c and rhs_basis is None)
-    rhs += eps * M
     if rhs_basis is not None:
+        rhs = _working_rhs(C, False)
+        rhs += eps * M
         B, Q = _basis_coordinates("C + eps M", rhs, rhs_basis, G.dtype)
         return _expand(_spd_solve(G, B, eps, "eps", overwrite_g, on_failure, "proximal_solve"), Q)
-    return _spd_solve(G, rhs, eps, "eps", overwrite_g, on_failure, "proximal_solve")
+
+    def add_pull(rhs):
+        rhs += eps * M
+
+    # eps M is added once G + eps I has factored, so a C solved into in place is intact after a LinAlgError.
+    return _spd_solve(G, _working_rhs(C, overwrite_c), eps, "eps", overwrite_g, on_failure, "proximal_solve",
+                      prepare_rhs=add_pull)
 
 
 def proximal_cost(n, d, m, *, gram_flops=None):
@@ -1359,7 +1427,15 @@ def _dual_rest(X, Z, M, Q, K, eps, d, dtype):
     R = np.array(Z, dtype=dtype)
     for rows in slices:
         R[rows] -= matmul(X[rows].astype(dtype, copy=False), M, check_finite=False)
-    S = _spd_solve(K, np.asfortranarray(R), eps, "eps", True, "raise", "proximal_solve_dual")
+    try:
+        S = _spd_solve(K, np.asfortranarray(R), eps, "eps", True, "raise", "proximal_solve_dual")
+    except np.linalg.LinAlgError as err:
+        # The generic message speaks of G and on_failure, which this function has not.
+        column = str(err).split("failed at column ")[-1].split(",")[0]
+        raise np.linalg.LinAlgError(
+            f"proximal_solve_dual: X X^T + eps I ({n} x {n}, {dtype}) is not positive definite (Cholesky failed "
+            f"at column {column}, eps={eps:g}): eps is below the rounding of X X^T. Increase eps, or solve the "
+            f"primal form with fastls.proximal_solve, which can fall back to an eigendecomposition.") from None
     W = M.copy()
     for rows in slices:
         W += matmul(X[rows].astype(dtype, copy=False).T, S[rows], check_finite=False)

@@ -706,17 +706,20 @@ def add_diagonal(floating[:, :] A, double shift):
 
 
 def cholesky_solve(floating[:, :] A, bint a_rowmajor, int lda,
-                   floating[::1, :] B):
+                   floating[::1, :] B, bint factored=False):
     """B := A^-1 B for symmetric positive definite A (upper triangle read).
 
     A is overwritten by its Cholesky factor: one potrf call, or panels of
-    _PANEL columns above _ONE_CALL_MAX. Returns LAPACK's info: 0 on success,
-    j > 0 when the leading minor of order j is not positive.
+    _PANEL columns above _ONE_CALL_MAX (``factored``: A already holds it).
+    Returns LAPACK's info: 0 on success, j > 0 when the leading minor of
+    order j is not positive.
     """
     cdef char uplo = b'L' if a_rowmajor else b'U'
-    cdef int n = A.shape[0], nrhs = B.shape[1], info
+    cdef int n = A.shape[0], nrhs = B.shape[1], info = 0
     with nogil:
-        if n > _ONE_CALL_MAX:
+        if factored:
+            pass
+        elif n > _ONE_CALL_MAX:
             info = _blocked_potrf(uplo, n, &A[0, 0], lda)
         else:
             info = _potrf(uplo, n, &A[0, 0], lda)

@@ -124,9 +124,11 @@ class RidgePath:
         n = _check_rows(n)
         C64 = np.asarray(C, dtype=np.float64)
         G64 = np.asarray(G, dtype=np.float64)
-        banded = method == "band" or (method == "auto" and G.shape[0] >= BAND_MIN_DIMENSION)
+        # d = 0 has no band to reduce: its path (one value per shift) is the eigh route's.
+        banded = G.shape[0] > 0 and (method == "band" or (method == "auto" and G.shape[0] >= BAND_MIN_DIMENSION))
         # The band route works on both triangles of a float64 copy, or of G itself when allowed.
-        full = _full_symmetric(G64, inplace=overwrite_g or G64 is not G) if banded else None
+        full = _full_symmetric(G64, inplace=(overwrite_g and G64.flags.writeable) or G64 is not G) \
+            if banded else None
         if center is not None:
             M = _check_center(center, C.shape)
             # R = Z - X M: X^T R = C - G M, tr(R^T R) = tr(Z^T Z) - 2 tr(M^T C) + tr(M^T G M).
@@ -138,7 +140,8 @@ class RidgePath:
         C64, basis, M = _in_basis(C64, M, rhs_basis)
         if banded:
             return _BandPath(full, C64, max(zz, 0.0), n, M, basis, int(band))
-        evals, V = scipy.linalg.eigh(G64, lower=False, overwrite_a=overwrite_g and G64 is G, check_finite=False,
+        evals, V = scipy.linalg.eigh(G64, lower=False, overwrite_a=overwrite_g and G64 is G and G64.flags.writeable,
+                                     check_finite=False,
                                      driver="evd")
         evals = np.maximum(evals, 0.0)
         return cls(evals, V, _dot(V.T, C64), max(zz, 0.0), n, M, basis)
@@ -164,6 +167,8 @@ class RidgePath:
         _check_array("Z", Z, 2)
         if Z.shape[0] != X.shape[0]:
             raise ValueError(f"Z must have one row per row of X ({X.shape[0]}), got shape {Z.shape}")
+        if X.shape[0] == 0:
+            raise ValueError("X has no rows: a path needs at least one sample (n >= 1)")
         _check_finite("X", X)
         _check_finite("Z", Z)
         X64 = np.asarray(X, dtype=np.float64)
@@ -251,6 +256,10 @@ class RidgePath:
             if labels.shape != (self.n,) or labels.dtype.kind not in "iu":
                 raise ValueError(f"labels must be {self.n} integer classes, one per row, got shape {labels.shape} "
                                  f"and dtype {labels.dtype}")
+            k = self._Z.shape[1]
+            if labels.size and (labels.min() < 0 or labels.max() >= k):
+                raise ValueError(f"labels must be classes in [0, {k}) (one per target column), got values from "
+                                 f"{labels.min()} to {labels.max()}")
         squared = np.empty(len(a))
         errors = None if labels is None else np.empty(len(a))
         S = np.eye(self._Z.shape[1]) if self._metric is None else self._metric
@@ -426,7 +435,7 @@ class _BandPath(RidgePath):
 
     def default_grid(self):
         """:data:`DEFAULT_GRID` times the mean eigenvalue trace(G) / d (times 1 when G is 0)."""
-        scale = self._trace / self._lower.shape[1]
+        scale = self._trace / max(self._lower.shape[1], 1)
         return DEFAULT_GRID * (scale if scale > 0 else 1.0)
 
     def solve(self, shift):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import itertools
+import numbers
 import os
 from contextlib import contextmanager
 
@@ -82,9 +83,9 @@ def limit_cores(n_cores):
     The limit is process-wide while the block runs, as with threadpoolctl;
     previous limits are restored on exit, also on error.
     """
-    if isinstance(n_cores, bool) or not isinstance(n_cores, int) or n_cores < 1:
+    if isinstance(n_cores, bool) or not isinstance(n_cores, numbers.Integral) or n_cores < 1:
         raise ValueError(f"n_cores must be an integer >= 1, got {n_cores!r}")
-    with _get_controller().limit(limits=n_cores, user_api="blas"):
+    with _get_controller().limit(limits=int(n_cores), user_api="blas"):
         yield
 
 

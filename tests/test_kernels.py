@@ -773,3 +773,125 @@ def test_the_panel_cholesky_reports_where_it_fails(rng, small_panels, uplo_order
     G[70, 70] = -1.0  # the leading minor of order 71 is not positive
     A = np.array(G, order=uplo_order)
     assert _kernels.cholesky_solve(A, *_layout(A), np.asfortranarray(np.ones((d, 2)))) == 71
+
+
+# --------------------------------------------------------------------------- #
+# Inputs found wrong by an audit of the public API (2026-11-28)
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_right_hand_sides_are_solved_like_contiguous_ones(rng, dtype):
+    G, C = spd_system(rng, 40, 6, 8, dtype)
+    M = random(rng, (6, 8), dtype)
+    np.testing.assert_array_equal(fastls.ridge_solve(G, C[:, ::2], 2.0),
+                                  fastls.ridge_solve(G, C[:, ::2].copy(), 2.0))
+    np.testing.assert_array_equal(fastls.proximal_solve(G, C[:, ::2], 2.0, M[:, ::2]),
+                                  fastls.proximal_solve(G, C[:, ::2].copy(), 2.0, M[:, ::2].copy()))
+    X, Z = random(rng, (30, 12), dtype), random(rng, (30, 6), dtype)
+    path = fastls.RidgePath.from_rows(X[:, ::2], Z[:, ::2])
+    assert path.select()[0] == fastls.RidgePath.from_rows(X[:, ::2].copy(), Z[:, ::2].copy()).select()[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("alias", ["X", "W"])
+def test_matmul_into_one_of_its_inputs_gives_the_product(rng, dtype, alias):
+    X, W = random(rng, (64, 64), dtype), random(rng, (64, 64), dtype)
+    expected = X.astype(np.float64) @ W.astype(np.float64)
+    out = fastls.matmul(X, W, out=X if alias == "X" else W)
+    assert_close(out, expected, dtype, 64)
+
+
+@pytest.mark.parametrize("g_dtype", [np.float32, np.float64])
+def test_float32_products_that_overflow_are_refused_and_leave_the_sums(rng, g_dtype):
+    X = random(rng, (8, 2), np.float32)
+    X[3, 1] = 1e20
+    C = random(rng, (2, 2), g_dtype)
+    C_before = C.copy()
+    with pytest.raises(ValueError, match="overflow float32 in X\\^T Z"):
+        fastls.cross_update(C, X, X)
+    np.testing.assert_array_equal(C, C_before)
+    X[3, 1] = 1e17  # large, but its products fit float32: accepted, as the float64 reference says
+    fastls.cross_update(C, X, X)
+    assert_close(C, C_before + X.astype(np.float64).T @ X.astype(np.float64), np.float32, 8)
+    images = random(rng, (2, 6, 6, 3), np.float32)
+    images[1, 2, 2, 0] = 1e20
+    G, C = random(rng, (28, 28), g_dtype), random(rng, (28, 2), g_dtype)
+    G_before, C_before = G.copy(), C.copy()
+    for method in ("im2col", "overlap"):
+        with pytest.raises(ValueError, match="images holds values whose products overflow float32"):
+            fastls.conv_gram_update(G, C, images, random(rng, (2, 2), np.float32), 3, append_ones=True,
+                                    method=method)
+    np.testing.assert_array_equal(G, G_before)
+    np.testing.assert_array_equal(C, C_before)
+
+
+def test_a_failed_proximal_solve_leaves_the_right_hand_side_it_was_to_overwrite(rng):
+    G = -np.eye(3)  # not a Gram matrix: G + eps I does not factor
+    C, M = np.asfortranarray(random(rng, (3, 2), np.float64)), random(rng, (3, 2), np.float64)
+    C_before = C.copy()
+    with pytest.raises(np.linalg.LinAlgError, match="not positive definite"):
+        fastls.proximal_solve(G, C, 1.0, M, overwrite_c=True)
+    np.testing.assert_array_equal(C, C_before)
+    # Solved in place it is the same W as without overwriting.
+    G, C = spd_system(rng, 20, 3, 2, np.float64)
+    C = np.asfortranarray(C)
+    expected = fastls.proximal_solve(G, C, 1.0, M)
+    np.testing.assert_array_equal(fastls.proximal_solve(G, C, 1.0, M, overwrite_c=True), expected)
+
+
+def test_the_dual_names_its_own_system_when_it_does_not_factor(rng):
+    X, Z = random(rng, (5, 3), np.float32), random(rng, (5, 2), np.float32)
+    with pytest.raises(np.linalg.LinAlgError, match=r"X X\^T \+ eps I \(5 x 5, float32\).*Increase eps") as err:
+        fastls.proximal_solve_dual(X, Z, 1e-10, random(rng, (3, 2), np.float32))
+    assert "on_failure" not in str(err.value) and "G must" not in str(err.value)
+
+
+def test_degenerate_ridge_paths_are_refused_or_solved(rng):
+    with pytest.raises(ValueError, match="X has no rows"):
+        fastls.RidgePath.from_rows(np.zeros((0, 4)), np.zeros((0, 2)))
+    eigh = fastls.RidgePath.from_statistics(np.zeros((0, 0)), np.zeros((0, 2)), 1.0, 3, method="eigh").select()
+    band = fastls.RidgePath.from_statistics(np.zeros((0, 0)), np.zeros((0, 2)), 1.0, 3, method="band").select()
+    assert band[0] == eigh[0]
+    X, labels = random(rng, (20, 5), np.float64), rng.integers(0, 3, 20)
+    path = fastls.RidgePath.from_rows(X, np.eye(3)[labels])
+    with pytest.raises(ValueError, match=r"labels must be classes in \[0, 3\)"):
+        path.select("loo_class", labels=np.where(labels == 0, 7, labels))
+
+
+@pytest.mark.parametrize("factor", [float("nan"), float("inf"), "0.5", None, True])
+def test_scale_negatives_refuses_a_slope_that_is_not_a_finite_number(factor):
+    x = np.array([-1.0, 2.0])
+    with pytest.raises(ValueError, match="factor must be a finite number"):
+        fastls.scale_negatives(x, factor)
+    np.testing.assert_array_equal(x, [-1.0, 2.0])
+
+
+def test_small_argument_mistakes_get_errors_that_name_them(rng):
+    images = random(rng, (2, 6, 6, 3), np.float32)
+    W = random(rng, (27, 4), np.float32)
+    with pytest.raises(ValueError, match="kernel_size must be an int or a pair of ints, got \\(3.7, 3\\)"):
+        fastls.im2col(images, (3.7, 3))
+    with pytest.raises(TypeError, match="out must be a NumPy array, got list"):
+        fastls.conv2d(images, W, 3, out=[0.0])
+    read_only = np.empty((2, 4, 4, 4), np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="out is read-only"):
+        fastls.conv2d(images, W, 3, out=read_only)
+    with pytest.raises(ValueError, match="scratch_bytes must be an integer >= 1, got None"):
+        fastls.conv2d(images, W, 3, scratch_bytes=None)
+    with pytest.raises(TypeError, match="G must be a NumPy array, got list"):
+        fastls.symmetrize([[1.0, 2.0], [3.0, 4.0]])
+    with pytest.raises(ValueError, match="rhs_basis contains NaN or Inf"):
+        G, C = spd_system(rng, 20, 3, 4, np.float64)
+        fastls.ridge_solve(G, C, 1.0, rhs_basis=np.full((2, 4), np.nan))
+    with fastls.limit_cores(np.int64(1)):  # NumPy integers are integers
+        pass
+
+
+def test_a_read_only_g_is_copied_even_when_it_may_be_overwritten(rng):
+    G, C = spd_system(rng, 300, 40, 3, np.float64)
+    G.flags.writeable = False
+    for method in ("eigh", "band"):
+        path = fastls.RidgePath.from_statistics(G, C, 10.0, 300, overwrite_g=True, method=method)
+        assert np.isfinite(path.select()[0])
