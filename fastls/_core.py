@@ -792,13 +792,13 @@ class ConvStats:
         targets = np.ascontiguousarray(targets.reshape(images.shape[0], -1) if self.per_image_targets
                                        else targets.reshape(-1, targets.shape[-1]))
         if check_finite:
-            _check_finite("images", images)
-            _check_finite("targets", targets)
             # A statistic sums at most this batch's patch rows of products, in the dtype of the images:
-            # the bound of _squares_fit, conservative (a refused batch would need |x| near 1e17 in float32).
+            # the bound of _squares_fit (one pass, which also finds NaN/Inf), conservative (a refused batch
+            # would need |x| near 1e17 in float32).
             rows = images.shape[0] * self.geometry[-2] * self.geometry[-1]
             for name, A in (("images", images), ("targets", targets)):
                 if not _squares_fit(A, rows):
+                    _check_finite(name, A)
                     raise _overflow_error(name, A, f"the patch statistics of {images.shape[0]} images")
         self._dtype = images.dtype
         d = self.G.shape[0]
