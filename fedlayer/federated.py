@@ -641,7 +641,11 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         for position in range(n_layers):
             log = RoundLog("personalization", position, clock)
             args = {cid: {"position": position, "eps": eps, "batch_size": max_batch[cid]} for cid in cids}
-            for cid, result in transport.call("personalize", args):
+            # A sum of nothing: the transport's per-client receipts and dropouts, so a client whose local
+            # step raises keeps its group's layer (recorded in `dropped`) instead of ending the run.
+            outcome = transport.sum("personalize", args, keys=())
+            log.dropped.update(outcome.dropped)
+            for cid, result in outcome.receipts.items():
                 log.arrived(cid, result["compute_s"], 0, parts=result.get("parts"))
                 log.up[cid] = 0.0
                 if "eps" in result:

@@ -59,18 +59,22 @@ def test_fold_sums_upper_keys_on_their_upper_triangle(rng):
 
 
 class FailsOn:
-    """A client that raises in local_stats for the listed layers (a crash, not a simulated dropout)."""
+    """A client that raises in ``method`` for the listed layers (a crash, not a simulated dropout)."""
 
-    def __init__(self, client, positions):
-        self.client, self.positions, self.client_id = client, positions, client.client_id
+    def __init__(self, client, positions, method="local_stats"):
+        self.client, self.positions, self.method, self.client_id = client, positions, method, client.client_id
 
     def __getattr__(self, name):
-        return getattr(self.client, name)
+        attribute = getattr(self.client, name)
+        if name != self.method:
+            return attribute
 
-    def local_stats(self, position, *args, **kwargs):
-        if position in self.positions:
-            raise OSError(f"disk of client {self.client_id} failed")
-        return self.client.local_stats(position, *args, **kwargs)
+        def failing(position, *args, **kwargs):
+            if position in self.positions:
+                raise OSError(f"disk of client {self.client_id} failed")
+            return attribute(position, *args, **kwargs)
+
+        return failing
 
 
 @settings(max_examples=8, deadline=None)
@@ -102,6 +106,29 @@ def test_a_crashing_client_drops_out_of_its_rounds_only(rng):
     assert "2" not in rounds[1]["clients"] and "2" in rounds[2]["clients"]
     # It still received the layer's weights and is evaluated with everyone.
     assert 0.0 < outcome["accuracy"] <= 1.0
+
+
+def test_a_client_that_fails_to_personalize_a_layer_keeps_its_groups_layer(rng):
+    """Personalization is local: a client whose step raises keeps the meta-model's layer, the others go on."""
+    variant = VARIANTS["pfedacnnl-wc"]
+    reference, *_ = make_clients(np.random.default_rng(7), 5)
+    expected = run_protocol(InProcessTransport(reference), 3, variant, batch_size=7)
+    clients, *_ = make_clients(np.random.default_rng(7), 5)
+    clients[2] = FailsOn(clients[2], positions={1}, method="personalize")
+    outcome = run_protocol(InProcessTransport(clients), 3, variant, batch_size=7)
+    personal = [r for r in outcome["rounds"] if r["stage"] == "personalization"]
+    assert personal[1]["dropped"] == {"2": "OSError: disk of client 2 failed"}
+    assert "2" not in personal[1]["clients"] and "2" in personal[2]["clients"]
+    assert "dropped" not in personal[0] and "dropped" not in personal[2]
+    failed = clients[2].final_weights()["weights"]
+    np.testing.assert_array_equal(failed[1], clients[2].meta_weights[1].astype(failed[1].dtype))
+    # Layer 1 was personalized as in the run without the failure, and every other client as there
+    # (eq. 7's timed batch sizes reorder the float64 sums between the two runs).
+    assert_close(failed[0], reference[2].final_weights()["weights"][0], np.float64, rtol=1e-9)
+    for client, same in zip(clients[:2] + clients[3:], reference[:2] + reference[3:]):
+        for W, R in zip(client.final_weights()["weights"], same.final_weights()["weights"]):
+            assert_close(W, R, np.float64, rtol=1e-9)
+    assert 0.0 < outcome["accuracy"] <= 1.0 and expected["accuracy"] > 0.0
 
 
 def test_simulated_dropouts_are_seeded_and_hit_the_given_fraction(rng):

@@ -190,12 +190,23 @@ def test_a_secure_dropout_after_masking_rekeys_and_matches_the_plain_run(tmp_pat
 
 
 def test_client_error_outside_a_sum_ends_the_job_naming_it():
-    # client 3 (rank 2) fails in personalization, which is not a sum: no dropout there, the job stops in order
+    # client 3 (rank 2) fails in its evaluation, which is not a sum: no dropout there, the job stops in order
     proc = mpirun(["--algorithm", "pfedacnnl", *SMALL, "--quiet"], timeout=90,
-                  FEDLAYER_TEST_FAIL_CALL="personalize:3")
+                  FEDLAYER_TEST_FAIL_CALL="evaluate:3")
     assert proc.returncode != 0
-    assert "client 3 on MPI rank 2 failed in personalize: RuntimeError: injected failure" in proc.stderr
+    assert "client 3 on MPI rank 2 failed in evaluate: RuntimeError: injected failure" in proc.stderr
     assert "without an error of their own" not in proc.stderr  # every rank ended for a reason it printed
+
+
+def test_a_client_that_fails_to_personalize_is_a_dropout_of_that_round(tmp_path):
+    proc = mpirun(["--algorithm", "pfedacnnl", *SMALL, "--quiet", "--output", str(tmp_path)], timeout=90,
+                  FEDLAYER_TEST_FAIL_STEP="personalize:3:1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    personal = [r for r in json.loads((tmp_path / "results.json").read_text())["rounds"].values()
+                if r["stage"] == "personalization"]
+    assert personal[1]["dropped"] == {"3": "RuntimeError: injected failure of personalize for client 3 "
+                                           "(FEDLAYER_TEST_FAIL_STEP)"}
+    assert "3" in personal[0]["clients"] and "3" in personal[2]["clients"]
 
 
 def test_hung_rank_hits_the_deadline():
