@@ -559,10 +559,14 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
                                        "no secure sum")
                         continue
                     if outcome.dropped:
-                        first = next(iter(outcome.dropped.items()))
+                        # One client per kind of reason (a simulated failure, a secure step, ...): the last
+                        # survivors of a secure sum drop for another reason than the clients before them.
+                        kinds = {}
+                        for cid, why in outcome.dropped.items():
+                            kinds.setdefault(why.split(":")[0], f"client {cid}: {why}")
                         raise AllClientsDropped(f"every client of group {k} dropped out of layer {position + 1} "
-                                           f"({len(outcome.dropped)}: {sorted(outcome.dropped)}); client {first[0]}: "
-                                           f"{first[1]}")
+                                                f"({len(outcome.dropped)}: {sorted(outcome.dropped)}); "
+                                                + "; ".join(list(kinds.values())[:3]))
                     continue
                 G_sum, C_sum = outcome.totals["G"], outcome.totals["C"]
                 if coordinates:

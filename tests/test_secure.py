@@ -557,3 +557,15 @@ def test_the_server_sees_class_means_in_a_plain_upload_and_noise_in_a_masked_one
     # OS randomness each run); a plain upload gives 1.
     valid = np.isfinite(guessed)
     assert abs(np.corrcoef(guessed[valid], truth[valid])[0, 1]) < 0.6
+
+
+def test_a_group_lost_to_failures_and_then_to_the_secure_protocol_names_both_reasons():
+    """Seed 0, 3 clients, P = 0.5: clients 0 and 1 fail in layer 1, so client 2 has no neighbour left."""
+    from fedlayer.federated import AllClientsDropped
+    from fedlayer.run import RunConfig, run
+
+    with pytest.raises(AllClientsDropped) as err:
+        run(RunConfig(algorithm="fedacnnl", clients=3, drop_clients=0.5, secure=True))
+    message = str(err.value)
+    assert "client 0: ClientDropout: client 0: simulated failure in layer 1" in message
+    assert "client 2: secure_self_mask: SecureAggregationError: client 2: none of its neighbours" in message
