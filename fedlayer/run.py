@@ -215,7 +215,8 @@ def make_clients(config: RunConfig, dataset, model_config, client_ids=None, max_
     ``max_cores``: a cap on every client's cores (an MPI rank's share of its node).
     """
     algorithm = ALGORITHMS[config.algorithm]
-    check_cores(config)
+    if max_cores is None:
+        check_cores(config)  # under MPI the rank's share caps them instead (docs/design.md, "MPI")
     cores = client_cores(len(dataset.clients), config.seed, config.cores)
     if max_cores is not None:
         cores = [min(c, int(max_cores)) for c in cores]
@@ -333,7 +334,8 @@ def run(config: RunConfig, transport=None, progress=None, dataset=None):
         baselines).
     """
     config.validate()
-    check_cores(config)
+    if transport is None:
+        check_cores(config)
     check_output_paths(config)
     algorithm = ALGORITHMS[config.algorithm]
     start = time.perf_counter()
