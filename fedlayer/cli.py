@@ -191,10 +191,15 @@ def cmd_run(args):
     from .models import build_model  # noqa: F401  (import errors surface before data loading)
     from .run import run
 
-    config = _config_from_args(args)
     from . import mpi
 
     comm = mpi.world()  # None unless launched by mpiexec with more than one rank
+    try:
+        config = _config_from_args(args)
+    except ValueError:
+        if comm is not None and comm.Get_rank() > 0:
+            return 2  # every rank read the same flags: rank 0 alone says what was wrong
+        raise
     share = None
     if comm is not None:
         mpi.watch_ranks(comm)

@@ -198,6 +198,12 @@ def test_client_error_outside_a_sum_ends_the_job_naming_it():
     assert "without an error of their own" not in proc.stderr  # every rank ended for a reason it printed
 
 
+def test_a_bad_flag_is_reported_once_not_once_per_rank():
+    proc = mpirun(["--clients", "6", "--groups", "10", "--quiet"], timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.count("fedlayer run: error: groups (K=10) cannot exceed the number of clients (6)") == 1
+
+
 def test_a_client_that_fails_to_personalize_is_a_dropout_of_that_round(tmp_path):
     proc = mpirun(["--algorithm", "pfedacnnl", *SMALL, "--quiet", "--output", str(tmp_path)], timeout=90,
                   FEDLAYER_TEST_FAIL_STEP="personalize:3:1")
