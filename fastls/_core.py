@@ -198,8 +198,11 @@ def gram_update(G, X, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
 
 
 def _squares_fit(A, rows):
-    """max a^2 * rows is finite in A's dtype (so is A): no sum of ``rows`` products of two such arrays' entries
-    overflows (Cauchy-Schwarz). One pass, no temporary."""
+    """max a^2 * rows is finite in A's dtype (so A is finite): one pass, no temporary.
+
+    Then no sum of ``rows`` products of two such arrays' entries overflows
+    (Cauchy-Schwarz).
+    """
     if not (A.flags.c_contiguous or A.flags.f_contiguous):
         A = np.ascontiguousarray(A)
     flat = A if A.flags.c_contiguous else A.T
@@ -207,7 +210,8 @@ def _squares_fit(A, rows):
 
 
 def _overflow_error(name, A, what):
-    return ValueError(f"{name} {'hold' if ' and ' in name else 'holds'} values whose products overflow {A.dtype} in {what} (largest |x| "
+    verb = "hold" if " and " in name else "holds"
+    return ValueError(f"{name} {verb} values whose products overflow {A.dtype} in {what} (largest |x| "
                       f"{float(np.abs(A).max()):.3g}); expected finite values that {A.dtype} can multiply and sum")
 
 
@@ -1166,11 +1170,13 @@ def _check_solve(G, C, shift, shift_name, meaning, on_failure, overwrite_g, chec
     return G, shift
 
 
-def _spd_solve(G, rhs, shift, shift_name, overwrite_g, on_failure, what, prepare_rhs=None):
+def _spd_solve(G, rhs, shift, shift_name, overwrite_g, on_failure, what, prepare_rhs=None, failure=None):
     """(G + shift I)^-1 rhs, rhs already an F-ordered working array; arguments checked.
 
     ``prepare_rhs(rhs)`` runs once G + shift I has factored: a caller's array
     that rhs overwrites is then left as it was when the factorization fails.
+    ``failure(column)``: the LinAlgError's message when G + shift I does not
+    factor (default: one about a Gram matrix G and ``on_failure``).
     """
     d = G.shape[0]
     if d == 0:
@@ -1192,6 +1198,8 @@ def _spd_solve(G, rhs, shift, shift_name, overwrite_g, on_failure, what, prepare
         return rhs
     if info < 0:  # pragma: no cover - an argument error is a bug here
         raise RuntimeError(f"LAPACK potrf/potrs rejected argument {-info}")
+    if on_failure == "raise" and failure is not None:
+        raise np.linalg.LinAlgError(failure(info))
     if on_failure == "raise":
         raise np.linalg.LinAlgError(
             f"{what}: G + {shift_name} I is not positive definite (Cholesky failed at column {info}, "
@@ -1427,15 +1435,13 @@ def _dual_rest(X, Z, M, Q, K, eps, d, dtype):
     R = np.array(Z, dtype=dtype)
     for rows in slices:
         R[rows] -= matmul(X[rows].astype(dtype, copy=False), M, check_finite=False)
-    try:
-        S = _spd_solve(K, np.asfortranarray(R), eps, "eps", True, "raise", "proximal_solve_dual")
-    except np.linalg.LinAlgError as err:
-        # The generic message speaks of G and on_failure, which this function has not.
-        column = str(err).split("failed at column ")[-1].split(",")[0]
-        raise np.linalg.LinAlgError(
-            f"proximal_solve_dual: X X^T + eps I ({n} x {n}, {dtype}) is not positive definite (Cholesky failed "
-            f"at column {column}, eps={eps:g}): eps is below the rounding of X X^T. Increase eps, or solve the "
-            f"primal form with fastls.proximal_solve, which can fall back to an eigendecomposition.") from None
+    def failure(column):
+        # Not the generic message: this function has no G and no on_failure.
+        return (f"proximal_solve_dual: X X^T + eps I ({n} x {n}, {dtype}) is not positive definite (Cholesky "
+                f"failed at column {column}, eps={eps:g}): eps is below the rounding of X X^T. Increase eps, or "
+                f"solve the primal form with fastls.proximal_solve, which can fall back to an eigendecomposition.")
+
+    S = _spd_solve(K, np.asfortranarray(R), eps, "eps", True, "raise", "proximal_solve_dual", failure=failure)
     W = M.copy()
     for rows in slices:
         W += matmul(X[rows].astype(dtype, copy=False).T, S[rows], check_finite=False)
