@@ -393,7 +393,8 @@ def report(args):
         "picks (the overlap's displacement products on stride-1 maps, else N P d^2) at the float32 gemm rate "
         "measured in the run that timed the round; solves run in float64 and are not in it, except in the "
         "personalization rounds a client solves in the dual form (fewer rows n than inputs d, as a client's "
-        "`proximal_cost` picks: clients with few images from layer 3 on, every client in layers 4 and 5 here): it forms no statistics, so its floor counts X X^T "
+        "`proximal_cost` picks: clients with few images from layer 3 on, every client in layers 4 and 5 here): "
+        "it forms no statistics, so its floor counts X X^T "
         "(n^2 d) instead of N P d^2, and its time is the forward pass plus its whole solve (X X^T, the n x n "
         "Cholesky and the products with M). Personalization rounds also redo the statistics (primal) or "
         "build the patch rows (dual) through the client's own earlier layers.",

@@ -73,8 +73,8 @@ def _run_parser(sub):
         options = constraints[0].values if len(constraints) == 1 and isinstance(constraints[0], Options) else None
         if field.name == "cores":
             p.add_argument(flag, type=_flag_type(constraints, "cores"), default=None, metavar="N[,N...]",
-                           help="comma-separated cores per client, cycled, each at most the cores this process may run on "
-                                "(default: random 1..available per seed)")
+                           help="comma-separated cores per client, cycled, each at most the cores this process "
+                                "may run on (default: random 1..available per seed)")
         elif field.name == "hyper":
             p.add_argument(flag, type=_hyper_items, default=None, metavar="KEY=VALUE[,KEY=VALUE...]",
                            help="baseline hyperparameter overrides, e.g. lr=1e-4,b2=50 (defaults: "
