@@ -218,6 +218,9 @@ class BaselineAlgorithm(Algorithm):
                 or config.forward != "cached":
             raise ValueError(f"drop_clients, round_deadline, secure, h_noise and forward apply to the analytic "
                              f"methods; {self.name!r} takes none of them")
+        if config.resume or config.checkpoint:
+            raise ValueError(f"resume and checkpoint apply to the analytic methods (a checkpoint per trained layer); "
+                             f"{self.name!r} keeps no checkpoint")
         baseline_hyper(self.name, config.dataset, config.model, **(config.hyper or {}))  # names unknown keys
 
     def make_client(self, cid, data, config, n_classes, model_config, cores):

@@ -207,13 +207,15 @@ def cmd_run(args):
     if comm is not None and comm.Get_rank() > 0:
         from .run import rank_clients
 
+        bad_input = False
         try:
             clients = rank_clients(config, comm.Get_rank(), comm.Get_size(), max_cores=share)
         except Exception as err:
-            mpi.report_startup_failure(comm, err)
-            clients = None
+            mpi.report_startup_failure(comm, err)  # rank 0 prints it and stops the job
+            clients, bad_input = None, isinstance(err, (ValueError, OSError))
         try:
-            return mpi.serve(comm, clients)
+            status = mpi.serve(comm, clients)
+            return 2 if bad_input and status else status  # the job's status is that of bad input, as on rank 0
         finally:
             mpi.rank_finished(comm)  # in order, or with its own traceback: not a rank that died
     transport = None if comm is None else mpi.MPITransport(comm, deadline_s=args.mpi_deadline)
@@ -224,9 +226,14 @@ def cmd_run(args):
         # Rank 0's own work (solves, evaluation) within its share of the node too.
         with contextlib.nullcontext() if share is None else fastls.limit_cores(share):
             results = run(config, transport=transport, progress=bar)
-    except BaseException:
+    except BaseException as err:
         if transport is not None:
             transport.close(status=1)  # stops the workers (aborts the job if a rank hangs)
+        if isinstance(err, KeyboardInterrupt):
+            if bar is not None:
+                bar.close()
+            print(f"fedlayer run: interrupted; {_resume_hint(config)}", file=sys.stderr)
+            return 130
         raise
     finally:
         if bar is not None:
@@ -242,6 +249,20 @@ def cmd_run(args):
         else:
             print("nothing was written to disk: add --output DIR to keep results.json and the trained models")
     return 0
+
+
+def _resume_hint(config):
+    """What an interrupted run left to go on from."""
+    from .algorithms import ALGORITHMS, BaselineAlgorithm
+
+    checkpoint = config.checkpoint_path()
+    if isinstance(ALGORITHMS[config.algorithm], BaselineAlgorithm):
+        return "the baselines keep no checkpoint: run the command again to start over"
+    if checkpoint is not None and checkpoint.exists():
+        return f"the layers trained so far are in {checkpoint}: run the same command with --resume to go on"
+    if checkpoint is not None:
+        return f"no layer had finished, so {checkpoint} was not written yet"
+    return "no checkpoint was kept (give --output or --checkpoint to be able to --resume)"
 
 
 def cmd_plot(args):

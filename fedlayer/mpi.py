@@ -335,6 +335,7 @@ class MPITransport(Transport):
         self._closed = False
         self._dead = None         # message of a deadline failure: close() aborts
         self._failed = False
+        self._gone = set()        # ranks that said bye on their own (interrupted): close() waits for none of them
 
     # -- handshake: every worker reports its clients (lazy, so rank 0 loads its data meanwhile)
     @property
@@ -490,8 +491,20 @@ class MPITransport(Transport):
         return outcome
 
     def _unexpected(self, source, header):
-        """A worker's error report (or a protocol violation): stop every rank, then raise."""
+        """A worker's error report (or a protocol violation): stop every rank, then raise.
+
+        A rank interrupted by Ctrl-C (which reaches every rank of the job) raises
+        KeyboardInterrupt here too; one that could not build its clients, the
+        ValueError of bad input (its message, without the remote traceback).
+        """
         self._failed = True
+        if header.get("op") == "bye" and header.get("interrupted"):
+            self._gone.add(source)
+            self.close(status=1)
+            raise KeyboardInterrupt(f"MPI rank {source} was interrupted")
+        if header.get("op") == "error" and header.get("method") == "startup":
+            self.close(status=1)
+            raise ValueError(f"MPI rank {header['rank']} could not build its clients: {header['error']}")
         if header.get("op") == "error":
             text = (f"client {header['cid']} on MPI rank {header['rank']} failed in {header['method']}: "
                     f"{header['error']}")
@@ -579,8 +592,9 @@ class MPITransport(Transport):
             # at once; its error is its own, not a death for the watcher to report.
             rank_finished(comm)
         for r in self.workers:
-            comm.isend({"op": "stop", "status": status}, dest=r, tag=TAG_CMD).Wait()
-        waiting = set(self.workers)
+            if r not in self._gone:
+                comm.isend({"op": "stop", "status": status}, dest=r, tag=TAG_CMD).Wait()
+        waiting = set(self.workers) - self._gone
         last = {r: time.monotonic() for r in self.workers}
         try:
             # results, errors or a late handshake still in flight are drained and dropped
@@ -684,70 +698,75 @@ def serve(comm, clients):
                    "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()},
                   dest=0, tag=TAG_RESULT)
 
-    while True:
-        command = next_command()
-        if partial_sends:
-            MPI.Request.Waitall([request for request, _ in partial_sends])
-            partial_sends = []
-        if command["op"] == "stop":
-            comm.send({"op": "bye", "rank": rank}, dest=0, tag=TAG_RESULT)
-            return int(command.get("status", 0))
-        descs = command["arrays"]
-        buffers, requests = _post_receives(comm, descs, 0, TAG_CMD_DATA, chunk)
-        MPI.Request.Waitall(requests)
-        arrays = _unwire(buffers, descs)
-        method, seq = command["method"], command["seq"]
-        args = {cid: _inflate(skeleton, arrays) for cid, skeleton in command["clients"]}
-        if command["op"] == "sums":
-            # Group by group; each group's partial leaves without blocking while the next group's clients
-            # run. At most one partial is in flight while the next is computed (two groups' sums held).
-            in_flight = []
-            for index, cids in enumerate(command["groups"]):
-                tags = _group_tags(index)
-                while len(in_flight) > 1:
-                    MPI.Request.Waitall([request for request, _ in in_flight.pop(0)])
-                _test_trace("group_started", seq=seq, group=index)
+    try:
+        while True:
+            command = next_command()
+            if partial_sends:
+                MPI.Request.Waitall([request for request, _ in partial_sends])
+                partial_sends = []
+            if command["op"] == "stop":
+                comm.send({"op": "bye", "rank": rank}, dest=0, tag=TAG_RESULT)
+                return int(command.get("status", 0))
+            descs = command["arrays"]
+            buffers, requests = _post_receives(comm, descs, 0, TAG_CMD_DATA, chunk)
+            MPI.Request.Waitall(requests)
+            arrays = _unwire(buffers, descs)
+            method, seq = command["method"], command["seq"]
+            args = {cid: _inflate(skeleton, arrays) for cid, skeleton in command["clients"]}
+            if command["op"] == "sums":
+                # Group by group; each group's partial leaves without blocking while the next group's clients
+                # run. At most one partial is in flight while the next is computed (two groups' sums held).
+                in_flight = []
+                for index, cids in enumerate(command["groups"]):
+                    tags = _group_tags(index)
+                    while len(in_flight) > 1:
+                        MPI.Request.Waitall([request for request, _ in in_flight.pop(0)])
+                    _test_trace("group_started", seq=seq, group=index)
 
-                def report(cid, receipt, nbytes, reason, index=index, tags=tags):
-                    if reason is not None:
-                        comm.send({"op": "dropped", "seq": seq, "group": index, "cid": cid, "error": reason}, dest=0,
-                                  tag=tags[0])
-                        return
+                    def report(cid, receipt, nbytes, reason, index=index, tags=tags):
+                        if reason is not None:
+                            comm.send({"op": "dropped", "seq": seq, "group": index, "cid": cid, "error": reason}, dest=0,
+                                      tag=tags[0])
+                            return
+                        out, out_descs = [], []
+                        skeleton = _flatten(receipt, out, out_descs, {})
+                        send({"op": "receipt", "seq": seq, "group": index, "cid": cid, "result": skeleton,
+                              "arrays": out_descs, "nbytes": nbytes}, out, tags=tags)
+
+                    try:
+                        totals = client_side_sum(clients, method, {cid: args[cid] for cid in cids}, command["keys"],
+                                                 np.dtype(command["dtype"]), hooks=_test_hooks, done=report,
+                                                 upper=command["upper_keys"])[0]
+                    except Exception as err:
+                        error(None, method, err)
+                        break
                     out, out_descs = [], []
-                    skeleton = _flatten(receipt, out, out_descs, {})
-                    send({"op": "receipt", "seq": seq, "group": index, "cid": cid, "result": skeleton,
-                          "arrays": out_descs, "nbytes": nbytes}, out, tags=tags)
-
+                    skeleton = _flatten(totals, out, out_descs, {}, packed_keys=command["packed_keys"])
+                    requests = send({"op": "partial", "seq": seq, "group": index, "result": skeleton, "arrays": out_descs,
+                                     "nbytes": int(sum(b.nbytes for b in out))}, out, blocking=False, tags=tags)
+                    in_flight.append([(request, out) for request in requests])
+                    del totals
+                partial_sends = [pair for pairs in in_flight for pair in pairs]
+                continue
+            stop = None
+            for cid, kwargs in args.items():
+                stop = next_command(block=False)  # only a stop can arrive during a call
+                if stop is not None:
+                    break
                 try:
-                    totals = client_side_sum(clients, method, {cid: args[cid] for cid in cids}, command["keys"],
-                                             np.dtype(command["dtype"]), hooks=_test_hooks, done=report,
-                                             upper=command["upper_keys"])[0]
+                    _test_call_hook(cid, method)
+                    result = getattr(clients[cid], method)(**kwargs)
                 except Exception as err:
-                    error(None, method, err)
+                    error(cid, method, err)
                     break
                 out, out_descs = [], []
-                skeleton = _flatten(totals, out, out_descs, {}, packed_keys=command["packed_keys"])
-                requests = send({"op": "partial", "seq": seq, "group": index, "result": skeleton, "arrays": out_descs,
-                                 "nbytes": int(sum(b.nbytes for b in out))}, out, blocking=False, tags=tags)
-                in_flight.append([(request, out) for request in requests])
-                del totals
-            partial_sends = [pair for pairs in in_flight for pair in pairs]
-            continue
-        stop = None
-        for cid, kwargs in args.items():
-            stop = next_command(block=False)  # only a stop can arrive during a call
+                skeleton_out = _flatten(result, out, out_descs, {})
+                send({"op": "result", "seq": seq, "cid": cid, "result": skeleton_out, "arrays": out_descs}, out)
+                del result, out
             if stop is not None:
-                break
-            try:
-                _test_call_hook(cid, method)
-                result = getattr(clients[cid], method)(**kwargs)
-            except Exception as err:
-                error(cid, method, err)
-                break
-            out, out_descs = [], []
-            skeleton_out = _flatten(result, out, out_descs, {})
-            send({"op": "result", "seq": seq, "cid": cid, "result": skeleton_out, "arrays": out_descs}, out)
-            del result, out
-        if stop is not None:
-            comm.send({"op": "bye", "rank": rank}, dest=0, tag=TAG_RESULT)
-            return int(stop.get("status", 0))
+                comm.send({"op": "bye", "rank": rank}, dest=0, tag=TAG_RESULT)
+                return int(stop.get("status", 0))
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every rank of the job: say so, or rank 0 waits for this rank until its deadline.
+        comm.send({"op": "bye", "rank": rank, "interrupted": True}, dest=0, tag=TAG_RESULT)
+        return 130

@@ -220,6 +220,27 @@ def test_plot_names_a_file_that_is_not_a_results_json(tmp_path, capsys, content,
     assert not list(tmp_path.glob("*.png"))
 
 
+def test_ctrl_c_says_where_the_trained_layers_are_and_how_to_go_on(tmp_path, capsys, monkeypatch):
+    """A KeyboardInterrupt after the first layer: one line (no traceback), exit 130, a checkpoint to resume."""
+    real_run = run_module.run
+
+    def interrupted_after_layer_1(config, transport=None, progress=None, dataset=None):
+        def progress_then_ctrl_c(message):
+            raise KeyboardInterrupt
+
+        return real_run(config, transport=transport, progress=progress_then_ctrl_c, dataset=dataset)
+
+    monkeypatch.setattr(run_module, "run", interrupted_after_layer_1)
+    out = tmp_path / "run"
+    status, err = fedlayer(["run", *SMALL, "--algorithm", "fedacnnl", "--output", str(out)], capsys)
+    assert status == 130
+    assert err == (f"fedlayer run: interrupted; the layers trained so far are in {out / 'checkpoint.npz'}: run the "
+                   f"same command with --resume to go on\n")
+    monkeypatch.undo()
+    assert main(["run", *SMALL, "--algorithm", "fedacnnl", "--output", str(out), "--resume"]) == 0
+    assert json.loads((out / "results.json").read_text())["resumed_from_layer"] == 1
+
+
 def test_resume_without_a_checkpoint_says_it_started_over(tmp_path, capsys):
     out = tmp_path / "run"
     flags = ["run", "--algorithm", "fedacnnl", "--clients", "6", "--model", "lr", "--output", str(out), "--resume"]

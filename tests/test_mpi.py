@@ -198,6 +198,42 @@ def test_client_error_outside_a_sum_ends_the_job_naming_it():
     assert "without an error of their own" not in proc.stderr  # every rank ended for a reason it printed
 
 
+def test_a_rank_that_cannot_build_its_clients_is_bad_input_in_one_line(tmp_path):
+    run = [sys.executable, "-m", "fedlayer", "run", "--dataset", "mnist", "--clients", "6", "--groups", "3", "--quiet"]
+    # rank 0 finds a (tiny, fake) MNIST, rank 1 does not: the job ends as bad input, as it would on rank 0
+    from test_data import write_fake_mnist
+
+    write_fake_mnist(tmp_path / "mnist", n_train=400, n_test=100)
+    cmd = [MPIEXEC, "-n", "1", "-env", "FEDLAYER_DATA_DIR", str(tmp_path), *run,
+           ":", "-n", "1", "-env", "FEDLAYER_DATA_DIR", str(tmp_path / "nowhere"), *run]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "fedlayer run: error: MPI rank 1 could not build its clients: FileNotFoundError: mnist not found" \
+        in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_ctrl_c_stops_every_rank_at_once_and_says_how_to_resume(tmp_path):
+    # Rank 0 waits 1 s before each group's sum, so the run is still going when SIGINT reaches the job.
+    out = tmp_path / "out"
+    cmd = [MPIEXEC, "-n", "3", sys.executable, "-m", "fedlayer", "run", "--algorithm", "pfedacnnl", *SMALL,
+           "--quiet", "--output", str(out), "--mpi-deadline", "600"]
+    # SIGINT at its default in the job: a shell starts background jobs (CI's, this suite's) with it ignored.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(FEDLAYER_TEST_DELAY_SUMS="1"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 60
+    while not (out / "checkpoint.npz").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert (out / "checkpoint.npz").exists(), "the first layer never finished"
+    interrupted = time.monotonic()
+    proc.send_signal(signal.SIGINT)  # mpiexec forwards it to every rank, as a Ctrl-C does
+    _, stderr = proc.communicate(timeout=120)
+    assert time.monotonic() - interrupted < 30  # not the 600 s deadline
+    assert f"fedlayer run: interrupted; the layers trained so far are in {out / 'checkpoint.npz'}" in stderr
+    assert "no answer from MPI rank" not in stderr and "Traceback" not in stderr
+
+
 def test_a_bad_flag_is_reported_once_not_once_per_rank():
     proc = mpirun(["--clients", "6", "--groups", "10", "--quiet"], timeout=60)
     assert proc.returncode == 2
