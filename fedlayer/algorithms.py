@@ -162,7 +162,9 @@ class AnalyticAlgorithm(Algorithm):
         files = {}
         for k, weights in group_weights.items():
             name = "model.npz" if len(group_weights) == 1 else f"model_group{k}.npz"
-            members = sorted(cid for cid, group in group_of.items() if group == k)
+            # The centralized reference's one pooled client stands for every client of the split.
+            members = list(range(config.clients)) if self.centralized else \
+                sorted(cid for cid, group in group_of.items() if group == k)
             files[name] = _model_writer(model, weights, config, members, group=k)
         if self.personalized and config.output:
             # Each client's personalized layers live only on the client: fetched one client at a time as its file

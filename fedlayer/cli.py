@@ -315,16 +315,34 @@ def _predict_split(models, args):
     return split
 
 
+def _check_one_run(models):
+    """The model files of a folder belong to one run: no client scored twice, one algorithm."""
+    algorithms = {m.get("algorithm") for _, _, m in models}
+    if len(algorithms) > 1:
+        raise ValueError(f"the model files were written by different algorithms ({sorted(map(str, algorithms))}): "
+                         f"a folder reused by another run keeps the older files; score them one at a time")
+    owner = {}
+    for file, _, metadata in models:
+        for cid in metadata.get("clients") or []:
+            if cid in owner:
+                raise ValueError(f"{owner[cid].name} and {file.name} both hold client {cid}: files of two runs in one "
+                                 f"folder? score them one at a time")
+            owner[cid] = file
+
+
 def cmd_predict(args):
     from .run import load_dataset
 
     models = _load_models(args.model)
+    _check_one_run(models)
     split = _predict_split(models, args)
+    saved = models[0][2].get("split")
     dataset = load_dataset(dataclasses.replace(RunConfig(), **split, data_dir=args.data_dir))
     correct = total = 0
     scored = []
     for file, model, metadata in models:
-        clients = metadata.get("clients") or list(range(len(dataset.clients)))
+        # A global model on another split (_predict_split allows no other kind) scores all of its clients.
+        clients = (metadata.get("clients") if split == saved else None) or list(range(len(dataset.clients)))
         outside = [cid for cid in clients if not 0 <= cid < len(dataset.clients)]
         if outside:
             raise ValueError(f"{file.name} belongs to clients {outside}, which the split "

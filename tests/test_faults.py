@@ -307,3 +307,27 @@ def test_a_model_file_that_cannot_be_written_loses_no_measurements(tmp_path):
         _write(tmp_path / "run", results, {"personalized/client_0.npz": full_disk})
     assert json.loads((tmp_path / "run" / "results.json").read_text()) == results
     assert not (tmp_path / "run" / "results.json.tmp").exists()
+
+
+def test_predict_scores_every_client_of_a_centralized_or_resplit_global_model(tmp_path, capsys):
+    from fedlayer.run import RunConfig, load_dataset
+
+    out = tmp_path / "acnnl"
+    assert main(["run", "--algorithm", "acnnl", "--clients", "6", "--model", "lr", "--output", str(out),
+                 "--quiet"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    report = _predicted([str(out)], capsys)
+    assert report["accuracy"] == pytest.approx(results["accuracy"], abs=1e-12)  # all 6 clients, not client 0
+    # The same global model on a split of more clients scores all of them.
+    report = _predicted([str(out / "model.npz"), "--clients", "9"], capsys)
+    split = load_dataset(RunConfig(clients=9, model="lr"))
+    assert report["test_samples"] == sum(len(c.y_test) for c in split.clients)
+
+
+def test_predict_refuses_model_files_left_by_another_run_in_the_folder(tmp_path, capsys):
+    out = tmp_path / "reused"
+    for algorithm in ("pfedacnnl-wp", "fedacnnl"):
+        assert main(["run", "--algorithm", algorithm, *SMALL, "--model", "lr", "--output", str(out)]) == 0
+    status, err = fedlayer(["predict", str(out)], capsys)
+    assert status == 2
+    assert "written by different algorithms" in err and "score them one at a time" in err
