@@ -377,6 +377,7 @@ def main(argv=None):
                    help="another split seed (global models only; default: the saved one)")
     p.add_argument("--data-dir", default=None)
     args = parser.parse_args(argv)
+    from .baselines.server import Diverged
     from .federated import AllClientsDropped
     from .secure import SecureAggregationError
 
@@ -385,9 +386,9 @@ def main(argv=None):
     except (ValueError, OSError) as err:
         print(f"fedlayer {args.command}: error: {err}", file=sys.stderr)
         return 2
-    except (AllClientsDropped, SecureAggregationError) as err:
-        # The protocol could not go on (a group with no survivors, a secure sum that cannot be unmasked): the
-        # message says which clients and why; a traceback adds nothing for the user.
+    except (AllClientsDropped, SecureAggregationError, Diverged) as err:
+        # The protocol could not go on (a group with no survivors, a secure sum that cannot be unmasked, a
+        # baseline that diverged): the message says which clients and why; a traceback adds nothing.
         print(f"fedlayer {args.command}: error: {err}", file=sys.stderr)
         return 1
 

@@ -297,6 +297,7 @@ class Client:
         self.model = Model.from_config(model_config)
         self.seed = int(seed)
         self.n_classes = int(n_classes)
+        data.check_classes(self.n_classes)
         self.cores = int(cores)
         self.stat_dtype = np.dtype(stat_dtype)
         self.scratch_bytes = int(scratch_bytes)

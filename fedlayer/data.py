@@ -153,6 +153,19 @@ class ClientData:
                 raise ValueError(
                     f"x_{split} has {x.shape[0]} samples but y_{split} has {y.shape[0]}"
                 )
+            if y.size and (y.dtype.kind not in "iu" or y.min() < 0):
+                raise ValueError(f"y_{split} must hold class indices (integers >= 0), got dtype {y.dtype} "
+                                 f"and values from {y.min()} to {y.max()}")
+            if x.dtype.kind == "f" and not np.isfinite(x).all():
+                raise ValueError(f"x_{split} contains NaN or Inf; expected finite inputs")
+
+    def check_classes(self, n_classes: int) -> None:
+        """Raise ValueError when a label is not below ``n_classes`` (a model has that many outputs)."""
+        for split in ("train", "test"):
+            y = getattr(self, f"y_{split}")
+            if y.size and y.max() >= n_classes:
+                raise ValueError(f"y_{split} holds class {y.max()}, but the model has {n_classes} classes "
+                                 f"(0 to {n_classes - 1})")
 
     @property
     def n_train(self) -> int:

@@ -340,6 +340,8 @@ def run(config: RunConfig, transport=None, progress=None, dataset=None):
     algorithm = ALGORITHMS[config.algorithm]
     start = time.perf_counter()
     dataset = load_dataset(config) if dataset is None else dataset
+    if not any(c.n_test for c in dataset.clients):
+        raise ValueError("no client has a test sample: the accuracy a run reports would be undefined")
     model = build(config, dataset)
     if transport is None:
         transport = InProcessTransport(make_clients(config, dataset, model.config()))

@@ -96,7 +96,7 @@ def exit_status(argv):
         (["--algorithm", "fedzo", "--hyper", "learning_rate=0.1"],
          "unknown hyperparameters ['learning_rate'] for fedzo"),
         (["--hyper", "lr=0.1"], "'pfedacnnl' trains one round per layer and takes no hyper"),
-        (["--algorithm", "fedavg", "--hyper", "lr=nan"], "hyperparameter lr must be a finite number, got nan"),
+        (["--algorithm", "fedavg", "--hyper", "lr=nan"], "hyperparameter lr must be a finite number > 0, got nan"),
         (["--algorithm", "acnnl", "--secure"], "'acnnl' pools every client's data in one"),
         (["--algorithm", "acnnl", "--drop-clients", "0.1"], "'acnnl' has one pooled client"),
     ],

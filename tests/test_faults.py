@@ -164,6 +164,10 @@ def test_resume_error_leaves_no_traceback_on_the_console(tmp_path, finished_chec
     (["--mpi-deadline", "nan"], "argument --mpi-deadline: must be a finite number > 0, got 'nan'"),
     (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
     (["--min-samples", "100000"], "fewer than min_samples=100000"),
+    (["--algorithm", "baffle", "--hyper", "K=0"], "hyperparameter K must be an int >= 1, got 0"),
+    (["--algorithm", "fedavg", "--hyper", "batch_size=2.5"], "hyperparameter batch_size must be an int >= 1"),
+    (["--algorithm", "fedzo", "--hyper", "lr=-1"], "hyperparameter lr must be a finite number > 0, got -1"),
+    (["--algorithm", "fedavg", "--resume", "--output", "x"], "'fedavg' keeps no checkpoint"),
 ])
 def test_bad_flag_values_name_the_flag(argv, message, capsys):
     status, err = fedlayer(["run", *SMALL, *argv], capsys)
@@ -331,3 +335,10 @@ def test_predict_refuses_model_files_left_by_another_run_in_the_folder(tmp_path,
     status, err = fedlayer(["predict", str(out)], capsys)
     assert status == 2
     assert "written by different algorithms" in err and "score them one at a time" in err
+
+
+def test_a_baseline_that_diverges_stops_saying_so(capsys):
+    status, err = fedlayer(["run", *SMALL, "--algorithm", "fedavg", "--rounds", "3", "--hyper", "lr=1e4"], capsys)
+    assert status == 1
+    assert "fedlayer run: error: fedavg diverged in round" in err and "lower the step sizes" in err
+    assert "Traceback" not in err

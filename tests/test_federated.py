@@ -170,12 +170,36 @@ def test_groups_larger_than_clients_is_an_error(rng):
                     VARIANTS["pfedacnnl"], config=dnn_config(12), groups=10)
 
 
-def test_nan_in_client_data_is_a_clear_error(rng):
-    # The client drops out naming its error; with no client left, the run stops saying why.
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_nan_in_client_data_is_a_clear_error(rng, split):
+    # Refused where the client's data is made, before any client runs (a NaN test sample was scored silently).
     x, y = make_data(rng, n=40)
     x[3, 2] = np.nan
-    with pytest.raises(AllClientsDropped, match="client 0: ValueError: X contains NaN or Inf"):
-        run_clients([client_data(x, y, np.arange(40))], VARIANTS["fedacnnl"], config=dnn_config(12))
+    data = {"x_train": x[4:], "y_train": y[4:], "x_test": x[4:], "y_test": y[4:], f"x_{split}": x[:8],
+            f"y_{split}": y[:8]}
+    with pytest.raises(ValueError, match=f"x_{split} contains NaN or Inf; expected finite inputs"):
+        ClientData(**data)
+
+
+@pytest.mark.parametrize("labels,message", [
+    ([0, 1, -1], "y_train must hold class indices \\(integers >= 0\\)"),
+    ([0.0, 1.0, 2.0], "y_train must hold class indices"),
+    ([0, 1, N_CLASSES], f"y_train holds class {N_CLASSES}, but the model has {N_CLASSES} classes"),
+])
+def test_labels_outside_the_classes_are_a_clear_error(rng, labels, message):
+    x = rng.standard_normal((3, 12))
+    with pytest.raises(ValueError, match=message):
+        data = ClientData(x, np.array(labels), x, np.array(labels))
+        Client(0, data, dnn_config(12), seed=0, n_classes=N_CLASSES)
+
+
+def test_a_split_without_test_samples_is_refused_before_training(rng):
+    from fedlayer.run import RunConfig, load_dataset, run
+
+    dataset = load_dataset(RunConfig(clients=4, model="lr"))
+    dataset.clients[:] = [ClientData(c.x_train, c.y_train, c.x_test[:0], c.y_test[:0]) for c in dataset.clients]
+    with pytest.raises(ValueError, match="no client has a test sample"):
+        run(RunConfig(clients=4, model="lr", groups=2), dataset=dataset)
 
 
 def test_adaptive_batch_sizes_eq7():

@@ -37,6 +37,7 @@ class BaselineClient:
         self.client_id = int(client_id)
         self.data = data
         self.n_classes = int(n_classes)
+        data.check_classes(self.n_classes)
         self.seed = int(seed)
         self.cores = int(cores)
         self.model = make_baseline_model(model_name, data.x_train.shape[1:], n_classes)

@@ -99,6 +99,16 @@ BASELINES = {
 _DATASET_ALIAS = {"fashion-mnist": "mnist", "cifar10": "mnist"}
 
 
+_COUNT = Interval(int, 1, None)
+_POSITIVE = Interval(float, 0, None, closed="neither")
+#: What each hyperparameter may be: counts (rounds, steps, batch sizes, directions) are integers >= 1,
+#: rates and scales finite numbers > 0.
+HYPER_CONSTRAINTS = {
+    **{key: _COUNT for key in ("rounds", "local_epochs", "local_iters", "batch_size", "b1", "b2", "K")},
+    **{key: _POSITIVE for key in ("lr", "personal_lr", "mu", "sigma", "clip", "lamda", "beta")},
+}
+
+
 def baseline_hyper(algorithm, dataset, model, **overrides):
     """Default hyperparameters of ``algorithm`` on ``dataset`` with ``model``, updated by ``overrides``.
 
@@ -117,6 +127,7 @@ def baseline_hyper(algorithm, dataset, model, **overrides):
     if unknown:
         raise ValueError(f"unknown hyperparameters {unknown} for {algorithm}; it takes {sorted(hyper)}")
     for key, value in overrides.items():
-        check_param(f"hyperparameter {key}", value, [Interval(float, None, None)])
+        check_param(f"hyperparameter {key}", value, [HYPER_CONSTRAINTS.get(key, Interval(float, None, None))])
     hyper.update(overrides)
     return hyper
+

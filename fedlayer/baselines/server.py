@@ -10,7 +10,11 @@ from ..timing import Clock, RoundLog, payload_bytes
 from ..transport import overall_accuracy
 from .hyper import BASELINES
 
-__all__ = ["PERSONALIZED", "run_baseline"]
+__all__ = ["PERSONALIZED", "Diverged", "run_baseline"]
+
+
+class Diverged(RuntimeError):
+    """The global parameters of a baseline became NaN or infinite: its step sizes are too large."""
 
 #: Baselines whose accuracy is that of each client's personalized model theta.
 PERSONALIZED = ("pfedme", "pfedzo")
@@ -78,6 +82,11 @@ def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, p
         mean = acc_sum / total_n
         w = (1.0 - beta) * w + beta * mean if personalized else mean
         log.server_s = time.perf_counter() - start
+        if not np.isfinite(w).all():
+            # Scored, a NaN model predicts one class everywhere: a number that looks like a result.
+            steps = {k: v for k, v in hyper.items() if k in ("lr", "personal_lr", "mu", "sigma")}
+            raise Diverged(f"{algorithm} diverged in round {r + 1}: its global parameters hold NaN or Inf "
+                           f"({steps}); lower the step sizes (--hyper)")
         accuracy = None
         if (r + 1) % int(eval_every) == 0 or r + 1 == int(rounds):
             # Personalized baselines score each client's own theta; the others the global w.
