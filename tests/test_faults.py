@@ -337,6 +337,7 @@ def test_predict_refuses_model_files_left_by_another_run_in_the_folder(tmp_path,
     assert "written by different algorithms" in err and "score them one at a time" in err
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NumPy's, on the way to NaN
 def test_a_baseline_that_diverges_stops_saying_so(capsys):
     status, err = fedlayer(["run", *SMALL, "--algorithm", "fedavg", "--rounds", "3", "--hyper", "lr=1e4"], capsys)
     assert status == 1
