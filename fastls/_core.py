@@ -65,6 +65,10 @@ OVERLAP_CHUNK_BYTES = 16 * 2**20
 # Validation
 # ---------------------------------------------------------------------------
 
+# BLAS and LAPACK take their sizes as 32-bit ints: a larger dimension would wrap around.
+_BLAS_INT_MAX = 2**31 - 1
+
+
 def _check_array(name, A, ndim):
     if not isinstance(A, np.ndarray):
         raise TypeError(f"{name} must be a NumPy array, got {type(A).__name__}")
@@ -72,6 +76,9 @@ def _check_array(name, A, ndim):
         raise TypeError(f"{name} must have dtype float32 or float64, got {A.dtype}")
     if A.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-dimensional, got shape {A.shape}")
+    if A.ndim and max(A.shape) > _BLAS_INT_MAX:
+        raise ValueError(f"{name} has a dimension above 2^31 - 1 (shape {A.shape}), more than BLAS's 32-bit sizes "
+                         f"can express; pass it in blocks of rows")
 
 
 def _check_output(name, A, ndim):

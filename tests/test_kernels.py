@@ -895,3 +895,12 @@ def test_a_read_only_g_is_copied_even_when_it_may_be_overwritten(rng):
     for method in ("eigh", "band"):
         path = fastls.RidgePath.from_statistics(G, C, 10.0, 300, overwrite_g=True, method=method)
         assert np.isfinite(path.select()[0])
+
+
+def test_dimensions_beyond_blas_ints_are_refused_not_wrapped():
+    # A zero-stride view: 2^31 rows of one value, no memory behind them.
+    X = np.lib.stride_tricks.as_strided(np.ones(1, np.float32), shape=(2**31, 1), strides=(0, 0))
+    G = np.zeros((1, 1), np.float64)
+    with pytest.raises(ValueError, match=r"X has a dimension above 2\^31 - 1 \(shape \(2147483648, 1\)\)"):
+        fastls.gram_update(G, X)
+    assert G[0, 0] == 0.0
