@@ -65,6 +65,27 @@ def test_overlap_equals_im2col_float64(shape, seed):
     np.testing.assert_array_equal(np.tril(G, -1), np.tril(G0, -1))
 
 
+@settings(max_examples=40, deadline=None)
+@given(geometry, st.integers(0, 2**31 - 1), st.sampled_from(["overlap", "auto"]), st.data())
+def test_batches_in_any_split_equal_im2col_float64(shape, seed, method, data):
+    """Statistics accumulated over several update calls (products kept per group between them), exactly."""
+    drawn = draw_images(shape, seed)
+    if drawn is None:
+        return
+    rng, images, (kh, kw, ph, pw, bias, order) = drawn
+    B = len(images)
+    targets = rng.standard_normal((B, 2))
+    cuts = sorted(data.draw(st.sets(st.integers(1, B - 1), max_size=B - 1)) if B > 1 else set())
+    G_ref, C_ref = reference(images, targets, (kh, kw), (ph, pw), bias)
+    d = G_ref.shape[0]
+    G, C = np.zeros((d, d), order=order), np.zeros((d, 2))
+    with fastls.ConvStats(G, C, images.shape[1:], (kh, kw), padding=(ph, pw), append_ones=bias,
+                          method=method) as stats:
+        for start, stop in zip([0, *cuts], [*cuts, B]):
+            stats.update(images[start:stop], targets[start:stop])
+    assert_exact(G, C, G_ref, C_ref)
+
+
 @settings(max_examples=60, deadline=None)
 @given(geometry, st.integers(0, 2**31 - 1), st.sampled_from([np.float32, np.float64]),
        st.sampled_from(["overlap", "im2col", "auto"]), st.sampled_from([1, 3, 4096]), st.integers(1, 5))
