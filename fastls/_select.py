@@ -218,9 +218,19 @@ class RidgePath:
         return (lam / (lam + a[:, None])).sum(axis=1)
 
     def gcv(self, shifts):
-        """GCV(a) = n RSS(a) / (n - dof(a))^2, per shift (inf where dof >= n)."""
+        """GCV(a) = n RSS(a) / (n - dof(a))^2, per shift (inf where dof >= n).
+
+        From statistics, RSS is tr(R^T R) minus the fit, accurate to about
+        d eps tr(R^T R): shifts whose RSS falls below ``STATISTICS_RSS_FLOOR``
+        times that (a near-interpolating fit, as when n <= d and a -> 0, where
+        GCV is 0/0) cannot be scored from the statistics and score inf.
+        """
         rss, df = self.residual_ss(shifts), self.dof(shifts)
         slack = self.n - df
+        if self._U is None:
+            d = len(self.eigenvalues) if self.eigenvalues is not None else self._lower.shape[1]
+            floor = STATISTICS_RSS_FLOOR * max(d, 1) * np.finfo(np.float64).eps * self._rss0
+            slack = np.where(rss > floor, slack, 0.0)
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(slack > 0, self.n * rss / np.where(slack > 0, slack, 1.0) ** 2, np.inf)
 
@@ -345,9 +355,12 @@ class RidgePath:
         if refine and criterion != "loo_class" and len(grid) > 1 and np.isfinite(scores[best]):
             low, high = np.log(grid[max(best - 1, 0)]), np.log(grid[min(best + 1, len(grid) - 1)])
             if high > low:
-                found = scipy.optimize.minimize_scalar(
-                    lambda t: float(self.criterion(criterion, [np.exp(t)])[0]),
-                    bounds=(low, high), method="bounded", options={"xatol": _LOG_TOLERANCE})
+                # A bracket end may score inf (unscorable shifts): Brent's parabola steps then meet inf - inf
+                # and fall back to golden sections, which is what we want, without NumPy's warning.
+                with np.errstate(invalid="ignore"):
+                    found = scipy.optimize.minimize_scalar(
+                        lambda t: float(self.criterion(criterion, [np.exp(t)])[0]),
+                        bounds=(low, high), method="bounded", options={"xatol": _LOG_TOLERANCE})
                 if found.fun <= scores[best]:
                     shift = float(np.exp(found.x))
         return shift, grid, scores
@@ -367,6 +380,10 @@ class RidgePath:
         if self._basis is not None:
             W = _dot(W, self._basis)
         return np.asfortranarray(W)
+
+
+#: See :meth:`RidgePath.gcv`: an RSS from statistics below this many times d eps tr(R^T R) scores inf.
+STATISTICS_RSS_FLOOR = 100.0
 
 
 class _BandPath(RidgePath):
@@ -482,7 +499,19 @@ def _thin_svd(X):
     lam = np.where(kept, lam, 0.0)
     scale = np.where(kept, 1.0 / np.sqrt(np.where(kept, lam, 1.0)), 0.0)
     partner = _dot(X.T if wide else X, vectors) * scale
+    used = int(kept.sum())
+    if used > 1 and lam[used - 1] < PARTNER_REORTHOGONALIZE * lam[0]:
+        # X v_j / s_j loses orthogonality as eps * cond(X)^2 (5e-3 at cond 1e7), and the RSS and leave-one-out
+        # sums assume orthonormal columns: Gram-Schmidt in the order of decreasing s (a QR) keeps the well-
+        # determined leading columns and makes the trailing ones orthogonal to them, as the true ones are.
+        Q, Rq = scipy.linalg.qr(partner[:, :used], mode="economic", check_finite=False)
+        partner[:, :used] = Q * np.where(np.diagonal(Rq) < 0, -1.0, 1.0)
     return (vectors, lam, partner) if wide else (partner, lam, vectors)
+
+
+#: _thin_svd orthonormalizes the partner vectors once s_min^2 / s_max^2 falls below this (cond(X) above 1e4,
+#: where their loss of orthogonality, eps cond^2, reaches 1e-8).
+PARTNER_REORTHOGONALIZE = 1e-8
 
 
 def _dot(A, B):
