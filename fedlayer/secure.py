@@ -268,16 +268,48 @@ def shamir_split(secret, n_shares, t):
     return shares
 
 
-def shamir_combine(shares, length=_KEY_BYTES):
-    """The secret (``length`` bytes) from at least t shares, by Lagrange interpolation at 0."""
-    secret = 0
-    for i, (xi, yi) in enumerate(shares):
-        num = den = 1
-        for j, (xj, _) in enumerate(shares):
+def _polynomial(points):
+    """x -> the polynomial through ``points`` ((x_i, y_i), distinct x_i) at x, over GF(PRIME).
+
+    Lagrange's form with its denominators inverted once: each evaluation is
+    then t^2 multiplications and no inverse (the inverses dominate).
+    """
+    weights = []
+    for i, (xi, yi) in enumerate(points):
+        den = 1
+        for j, (xj, _) in enumerate(points):
             if i != j:
-                num = num * (-xj) % PRIME
                 den = den * (xi - xj) % PRIME
-        secret = (secret + yi * num * pow(den, -1, PRIME)) % PRIME
+        weights.append(yi * pow(den, -1, PRIME) % PRIME)
+
+    def at(x):
+        value = 0
+        for i, weight in enumerate(weights):
+            for j, (xj, _) in enumerate(points):
+                if i != j:
+                    weight = weight * (x - xj) % PRIME
+            value += weight
+        return value % PRIME
+
+    return at
+
+
+def shamir_combine(shares, length=_KEY_BYTES, t=None):
+    """The secret (``length`` bytes) from at least t shares, by Lagrange interpolation at 0.
+
+    With ``t`` and more than t shares, the first t rebuild the polynomial and
+    every other share must lie on it: a tampered or mixed share then raises
+    SecureAggregationError instead of rebuilding a wrong secret. Repeated
+    share indices raise too.
+    """
+    xs = [x for x, _ in shares]
+    if len(set(xs)) != len(xs):
+        raise SecureAggregationError(f"shares with repeated indices {sorted(xs)} (tampered or mixed)")
+    polynomial = _polynomial(shares if t is None else shares[:t])
+    for x, y in shares[len(shares) if t is None else t:]:
+        if polynomial(x) != y % PRIME:
+            raise SecureAggregationError(f"share {x} does not lie on the polynomial of the others (tampered or mixed)")
+    secret = polynomial(0)
     if secret >= 2 ** (8 * length):
         raise SecureAggregationError("shares do not rebuild a secret of the expected size (tampered or mixed)")
     return secret.to_bytes(length, "big")
@@ -685,7 +717,7 @@ class SecureServer:
             pairs.append((_mask_key(secret, b"self mask", context), -1))
         crypto = _crypto()
         for cid in dropped:
-            key_secret = self._rebuild(by_owner, cid, "key")
+            key_secret = self._rebuild(by_owner, cid, "key", public=public.get(cid))
             self.rebuilt_keys.add(int(cid))
             private = crypto.X25519PrivateKey.from_private_bytes(key_secret)
             for other in self.graph.get(cid, []):
@@ -697,7 +729,8 @@ class SecureServer:
         _add_masks(flat, pairs)
         return {key: flat[a:b].reshape(shapes[key]) for key, (a, b) in offsets.items()}
 
-    def _rebuild(self, by_owner, cid, what, holders=None):
+    def _rebuild(self, by_owner, cid, what, holders=None, public=None):
+        """Client ``cid``'s self-mask seed or mask key from the revealed shares (``public``: its key bundle)."""
         shares = by_owner.get((cid, what), [])
         k = len(self.graph.get(cid, []) if holders is None else holders)
         t = threshold(k)
@@ -706,4 +739,16 @@ class SecureServer:
                 f"client {cid}: {len(shares)} of its neighbours revealed a share of its "
                 f"{'mask key' if what == 'key' else 'self mask'}, {t} are needed (threshold t = k // 2 + 1 of "
                 f"k = {k} neighbours{'' if holders is None else ' in the sum'}); too many of them dropped out")
-        return shamir_combine(shares[:t])
+        try:
+            # Every revealed share is checked against the first t (a share of another secret, or a changed
+            # one, would rebuild a wrong mask and decode garbage); a mask key also against its public key.
+            secret = shamir_combine(shares, t=t)
+            if what == "key" and public is not None:
+                mask_public, _ = _public_parts(public)
+                rebuilt = _crypto().X25519PrivateKey.from_private_bytes(secret).public_key().public_bytes_raw()
+                if rebuilt != mask_public:
+                    raise SecureAggregationError("the rebuilt mask key does not match its public key (tampered)")
+        except SecureAggregationError as err:
+            raise SecureAggregationError(f"client {cid}: the revealed shares of its "
+                                         f"{'mask key' if what == 'key' else 'self mask'}: {err}") from None
+        return secret
