@@ -181,7 +181,11 @@ class FixedPoint:
         return np.asarray(words, dtype=np.uint64).view(np.int64).astype(np.float64) / self.scale
 
     def error_bound(self):
-        """Largest |decoded sum - true sum| per entry: half a unit in the last place per term."""
+        """Largest |integer sum / scale - true sum| per entry: half a unit in the last place per term.
+
+        The decoded float64 adds its own rounding, half an ulp of the sum
+        (larger than this bound only for sums near 2^52 / scale and few terms).
+        """
         return self.n_terms * 0.5 / self.scale
 
 
