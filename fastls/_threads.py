@@ -117,7 +117,7 @@ def _bind():
 
 def _checked_flops(value, source):
     try:
-        flops = float(value)
+        flops = float("nan") if isinstance(value, bool) else float(value)
     except (TypeError, ValueError):
         flops = float("nan")
     if not 0 <= flops < float("inf"):
@@ -126,7 +126,8 @@ def _checked_flops(value, source):
     return flops
 
 
-_flops_per_thread = _checked_flops(os.environ.get("FASTLS_FLOPS_PER_THREAD", FLOPS_PER_THREAD),
+# An empty variable (FASTLS_FLOPS_PER_THREAD=) counts as unset, as shells treat it.
+_flops_per_thread = _checked_flops(os.environ.get("FASTLS_FLOPS_PER_THREAD") or FLOPS_PER_THREAD,
                                    "FASTLS_FLOPS_PER_THREAD")
 
 
@@ -218,10 +219,13 @@ class ThreadTrials:
         state[0] += 1
         if timed:
             state[1 + more].append(seconds / flops)
-        if state[0] >= 2 * (self.trials + 1):
+        # Calls planned at once from several threads may all take untimed slots: decide on both timings only.
+        if state[0] >= 2 * (self.trials + 1) and state[1] and state[2]:
             one, rule = min(state[1]), min(state[2])
             self._choice[key] = key[-1] if rule <= self.margin * one else 1
             self._seconds.pop(key, None)
+        elif state[0] >= 4 * (self.trials + 1):
+            self._seconds.pop(key, None)  # a block passed untimed: the kind's trials start again
 
     def choices(self):
         return dict(self._choice)

@@ -91,7 +91,10 @@ def load_checkpoint(path, fingerprint):
     """
     start_over = f"remove {path} to start over (or run without --resume, which overwrites it)"
     try:
-        with np.load(path, allow_pickle=False) as data:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError("it holds one array (a .npy file), not a .npz archive")
+        with data:
             stored = {name: data[name] for name in data.files}
     except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, zlib.error) as err:
         raise ValueError(f"checkpoint {path} cannot be read ({type(err).__name__}: {err}); "
@@ -109,6 +112,8 @@ def load_checkpoint(path, fingerprint):
                          f"expected {_FORMAT!r}); {start_over}")
     saved = {**_ADDED_KEYS, **state["fingerprint"]}
     saved.update({key: renamed.get(saved[key], saved[key]) for key, renamed in _RENAMED_VALUES.items() if key in saved})
+    # This run's side as it would be stored: the keys added since with their defaults, tuples as JSON lists.
+    fingerprint = {**_ADDED_KEYS, **json.loads(json.dumps(fingerprint))}
     if saved != fingerprint:
         diff = {k: (saved.get(k), fingerprint.get(k)) for k in {**saved, **fingerprint}
                 if saved.get(k) != fingerprint.get(k)}

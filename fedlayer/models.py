@@ -49,7 +49,10 @@ import math
 import numbers
 import operator
 import os
+import tempfile
 import weakref
+import zipfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -355,7 +358,7 @@ class Flatten(Layer):
         x = np.asarray(x)
         if x.ndim < 2:
             raise ValueError(f"Flatten expects a batch of shape (B, ...), got shape {x.shape}")
-        return x.reshape(x.shape[0], -1)
+        return x.reshape(x.shape[0], math.prod(x.shape[1:]))  # not -1: an empty batch has no size to infer from
 
 
 class AvgPool2d(Layer):
@@ -1118,6 +1121,8 @@ class Model:
         ndarray of shape (B,), int64
         """
         out = self.forward(x, batch_size=batch_size, start=start)
+        if out.shape[0] == 0:
+            return np.zeros(0, dtype=np.int64)
         return out.reshape(out.shape[0], -1).argmax(axis=1).astype(np.int64)
 
     def accuracy(self, x, y, batch_size=4096, *, start=0):
@@ -1133,10 +1138,15 @@ class Model:
             As in :meth:`predict`.
         """
         y = np.asarray(y)
-        if y.ndim == 2:
+        n_classes = math.prod(self.output_shape)
+        if y.ndim == 2 and y.shape[1] == n_classes:
             y = y.argmax(axis=1)
         if y.ndim != 1 or y.shape[0] != np.shape(x)[0]:
-            raise ValueError(f"y must have shape ({np.shape(x)[0]},) or ({np.shape(x)[0]}, n_classes), got {y.shape}")
+            raise ValueError(f"y must have shape ({np.shape(x)[0]},) or ({np.shape(x)[0]}, {n_classes}) (one-hot or "
+                             f"score rows of the {n_classes} classes), got {y.shape}")
+        if y.size and y.dtype.kind not in "iub":
+            if not np.array_equal(y, np.round(y)):
+                raise ValueError(f"y must hold integer class labels, got values such as {y[y != np.round(y)][0]!r}")
         if y.shape[0] == 0:
             return 0, 0
         return int((self.predict(x, batch_size=batch_size, start=start) == y).sum()), int(y.shape[0])
@@ -1200,9 +1210,11 @@ class Model:
             if self.layers[i].weights is not None:
                 arrays[f"weights_{i}"] = self.layers[i].weights
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        # A name of its own per call (not per process): two threads saving one path must not share it.
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        tmp = Path(tmp)
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(fd, "wb") as f:
                 np.savez(f, **arrays)
             os.replace(tmp, path)
         finally:
@@ -1217,8 +1229,24 @@ class Model:
         -------
         (Model, dict)
             The model with its saved weights, and the metadata.
+
+        Raises
+        ------
+        ValueError
+            If the file is not a fedlayer model file, or is truncated or damaged
+            (a missing file stays FileNotFoundError).
         """
-        with np.load(path, allow_pickle=False) as data:
+        try:
+            return cls._load(path)
+        except (EOFError, KeyError, zipfile.BadZipFile, zlib.error, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path} is not a readable fedlayer model file ({type(err).__name__}: {err})") from None
+
+    @classmethod
+    def _load(cls, path):
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):  # a .npy file: one array, not a model
+            raise ValueError(f"{path} is not a fedlayer model file (it holds one array, not a .npz archive)")
+        with data:
             if "format" not in data.files or str(data["format"]) != _FORMAT:
                 raise ValueError(f"{path} is not a fedlayer model file (expected format {_FORMAT!r})")
             model = cls.from_config(json.loads(str(data["config"])))

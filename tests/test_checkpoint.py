@@ -167,3 +167,13 @@ def test_resumed_clients_share_the_checkpointed_weights(tmp_path, monkeypatch):
     for position, arrays in installed.items():
         assert len(arrays) == 6
         assert all(np.shares_memory(arrays[0], other) for other in arrays[1:]), position
+
+
+def test_a_checkpoint_resumes_with_the_fingerprint_it_was_saved_with(tmp_path):
+    """Through the API too: a fingerprint without the keys added since (defaults on both sides), tuples as lists."""
+    from fedlayer.checkpoint import save_checkpoint
+
+    for fingerprint in ({}, {"h": (1, 2)}, {"padding": "valid"}):
+        save_checkpoint(tmp_path / "c.npz", fingerprint=fingerprint, layers_done=0, group_of={}, group_weights={},
+                        batch={}, first_durations=None, rounds=[])
+        assert load_checkpoint(tmp_path / "c.npz", fingerprint)["layers_done"] == 0

@@ -791,3 +791,70 @@ def test_clients_share_weights_and_park_their_own(rng, tmp_path):
     weights = first.final_weights()["weights"][-1]
     assert weights.shape == W.shape and not np.array_equal(weights, W)
     assert first.evaluate()["total"] == before["total"]
+
+
+# --------------------------------------------------------------------------- #
+# Found by an audit with adversarial inputs (2026-11-28)
+# --------------------------------------------------------------------------- #
+
+
+def _trained(name, input_shape, rng):
+    from fedlayer.client import init_weights
+
+    model = build_model(name, input_shape, 3, width=1 / 64)
+    init_weights(model, 0)
+    return model
+
+
+@pytest.mark.parametrize("name,input_shape", [("lr", (28, 28, 1)), ("dnn", (60,)), ("dcnn", (32, 32, 3))])
+def test_an_empty_batch_passes_every_model(rng, name, input_shape):
+    model = _trained(name, input_shape, rng)
+    assert model.forward(np.zeros((0, *input_shape))).shape == (0, 3)
+    assert model.predict(np.zeros((0, *input_shape))).shape == (0,)
+    assert model.accuracy(np.zeros((0, *input_shape)), np.zeros(0, dtype=np.int64)) == (0, 0)
+
+
+def test_accuracy_refuses_labels_it_would_miscount(rng):
+    model = _trained("dnn", (12,), rng)
+    x = rng.standard_normal((50, 12))
+    y = model.predict(x)
+    assert model.accuracy(x, y) == model.accuracy(x, np.eye(3)[y]) == model.accuracy(x, y.astype(float)) == (50, 50)
+    with pytest.raises(ValueError, match=r"y must have shape \(50,\) or \(50, 3\)"):
+        model.accuracy(x, y[:, None])  # a column was read as one-class scores: 15 of 50 correct
+    with pytest.raises(ValueError, match="y must hold integer class labels"):
+        model.accuracy(x, y + 0.5)
+
+
+def test_a_file_that_is_not_a_model_archive_is_named(rng, tmp_path):
+    path = tmp_path / "model.npz"
+    with open(path, "wb") as f:
+        np.save(f, np.ones(3))  # one array (.npy content) under an .npz name
+    with pytest.raises(ValueError, match="it holds one array, not a .npz archive"):
+        Model.load(path)
+    path.write_bytes(b"PK\x03\x04 not a zip")
+    with pytest.raises(ValueError, match="is not a readable fedlayer model file \\(BadZipFile"):
+        Model.load(path)
+
+
+def test_threads_saving_one_model_path_never_publish_a_partial_file(rng, tmp_path):
+    import threading
+
+    model = _trained("dnn", (60,), rng)
+    path, errors = tmp_path / "model.npz", []
+
+    def save():
+        try:
+            for _ in range(20):
+                model.save(path)
+        except Exception as err:  # noqa: BLE001 - any error is the defect
+            errors.append(err)
+
+    writers = [threading.Thread(target=save) for _ in range(3)]
+    for w in writers:
+        w.start()
+    while any(w.is_alive() for w in writers):
+        if path.exists():
+            Model.load(path)  # never half a file
+    for w in writers:
+        w.join()
+    assert not errors and not list(tmp_path.glob("*.tmp"))

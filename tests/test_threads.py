@@ -272,3 +272,22 @@ def test_grams_below_the_work_floor_run_one_blas_thread(rng, gram_threads):
         fastls.gram_update(np.zeros((d, d)), X, check_finite=False)
     assert below * d * d < _core.GRAM_MIN_THREADED_FLOPS <= X.shape[0] * d * d
     assert seen == [1, 2]
+
+
+def test_thread_trials_planned_at_once_from_several_threads_do_not_fail():
+    """Eight calls planned before any was recorded all take untimed slots: no decision on empty timings."""
+    from fastls._threads import ThreadTrials
+
+    trials = ThreadTrials()
+    key = ("f", 8, 10)
+    planned = [trials.plan(key, 1e12) for _ in range(8)]
+    for _, trial in planned:
+        if trial is not None:
+            trials.record(trial, 1.0, 1e12)
+    for _ in range(4 * 4 + 8):  # then calls one after the other learn the kind as usual
+        _, trial = trials.plan(key, 1e12)
+        if trial is None:
+            break
+        trials.record(trial, 1.0 if trial[1] else 2.0, 1e12)
+    if fastls.threads_for(1e12) > 1:  # a machine of one core never times this kind
+        assert trials.choices() == {(*key, fastls.threads_for(1e12)): fastls.threads_for(1e12)}
