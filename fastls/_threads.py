@@ -81,7 +81,11 @@ def limit_cores(n_cores):
     Notes
     -----
     The limit is process-wide while the block runs, as with threadpoolctl;
-    previous limits are restored on exit, also on error.
+    previous limits are restored on exit, also on error. Blocks that overlap
+    in time from several Python threads are not supported: each restores the
+    limit it found, so one that exits last can restore another's (measured:
+    two threads' interleaved blocks left the process at 1 thread for good).
+    fedlayer runs its clients' blocks one at a time.
     """
     if isinstance(n_cores, bool) or not isinstance(n_cores, numbers.Integral) or n_cores < 1:
         raise ValueError(f"n_cores must be an integer >= 1, got {n_cores!r}")
