@@ -725,8 +725,8 @@ def serve(comm, clients):
 
                     def report(cid, receipt, nbytes, reason, index=index, tags=tags):
                         if reason is not None:
-                            comm.send({"op": "dropped", "seq": seq, "group": index, "cid": cid, "error": reason}, dest=0,
-                                      tag=tags[0])
+                            comm.send({"op": "dropped", "seq": seq, "group": index, "cid": cid, "error": reason},
+                                      dest=0, tag=tags[0])
                             return
                         out, out_descs = [], []
                         skeleton = _flatten(receipt, out, out_descs, {})
@@ -742,8 +742,9 @@ def serve(comm, clients):
                         break
                     out, out_descs = [], []
                     skeleton = _flatten(totals, out, out_descs, {}, packed_keys=command["packed_keys"])
-                    requests = send({"op": "partial", "seq": seq, "group": index, "result": skeleton, "arrays": out_descs,
-                                     "nbytes": int(sum(b.nbytes for b in out))}, out, blocking=False, tags=tags)
+                    requests = send({"op": "partial", "seq": seq, "group": index, "result": skeleton,
+                                     "arrays": out_descs, "nbytes": int(sum(b.nbytes for b in out))}, out,
+                                    blocking=False, tags=tags)
                     in_flight.append([(request, out) for request in requests])
                     del totals
                 partial_sends = [pair for pairs in in_flight for pair in pairs]
