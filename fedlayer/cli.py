@@ -356,8 +356,22 @@ def cmd_predict(args):
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with its errors in one line, as fedlayer's other bad input (no usage block).
+
+    Under mpiexec every rank parses the same flags: rank 0 alone prints the error.
+    """
+
+    def error(self, message):
+        from .mpi import launch_rank
+
+        if launch_rank() > 0:
+            self.exit(2)
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="fedlayer", description="Analytic federated learning: FedACnnL and pFedACnnL")
+    parser = _Parser(prog="fedlayer", description="Analytic federated learning: FedACnnL and pFedACnnL")
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
     p = sub.add_parser("plot", help="PNG plots of a results.json")

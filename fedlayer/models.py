@@ -1243,7 +1243,10 @@ class Model:
 
     @classmethod
     def _load(cls, path):
-        data = np.load(path, allow_pickle=False)
+        try:
+            data = np.load(path, allow_pickle=False)
+        except ValueError:  # e.g. a text file, which NumPy takes for pickled data (and suggests unpickling)
+            raise ValueError(f"{path} is not a fedlayer model file (not a NumPy .npz archive)") from None
         if not isinstance(data, np.lib.npyio.NpzFile):  # a .npy file: one array, not a model
             raise ValueError(f"{path} is not a fedlayer model file (it holds one array, not a .npz archive)")
         with data:

@@ -59,7 +59,7 @@ import numpy as np
 
 from .transport import Sum, Transport, client_side_sum, fold, pack_upper, unpack_upper
 
-__all__ = ["MPITransport", "serve", "report_startup_failure", "world", "hosting_rank", "watch_ranks",
+__all__ = ["MPITransport", "serve", "report_startup_failure", "launch_rank", "world", "hosting_rank", "watch_ranks",
            "rank_finished", "CHUNK_BYTES"]
 
 TAG_CMD, TAG_CMD_DATA, TAG_RESULT, TAG_DATA = 11, 12, 13, 14
@@ -74,6 +74,15 @@ CHUNK_BYTES = 2**30
 _LAUNCH_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_RANK")
 _MAX_SLEEP = 0.005
 ABORT_GRACE_S = 1.0   # pause before MPI_Abort so the explaining error reaches stderr
+
+
+def launch_rank():
+    """This process's rank as the launcher's environment gives it (0 when not under mpiexec), without MPI."""
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def world():

@@ -200,6 +200,21 @@ def test_missing_config_file_is_named(tmp_path, capsys):
     assert f"config {tmp_path / 'absent.json'}: cannot read it" in err
 
 
+def test_argparse_errors_are_one_line_too(capsys):
+    status, err = fedlayer(["run", "--clients", "0"], capsys)
+    assert status == 2
+    assert err == ("fedlayer run: error: argument --clients: must be an int >= 1, got '0' (`fedlayer run --help` "
+                   "lists the options)\n")
+
+
+def test_predict_names_a_file_that_is_not_a_model(tmp_path, capsys):
+    path = tmp_path / "results.json"
+    path.write_text('{"config": {}}')
+    status, err = fedlayer(["predict", str(path)], capsys)
+    assert status == 2
+    assert f"{path} is not a fedlayer model file" in err
+
+
 def test_clients_of_more_cores_than_the_process_has_are_refused(capsys, no_training):
     """A 4-core client timed on 2 cores would describe another machine: refused before any work."""
     import fastls
