@@ -205,13 +205,11 @@ def gram_update(G, X, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
 
 
 def _squares_fit(A, rows):
-    """max a^2 * rows is finite in A's dtype (so A is finite): one pass, no temporary.
+    """max a^2 * rows is finite in A's dtype (so A is finite): one pass over a contiguous A, no temporary.
 
     Then no sum of ``rows`` products of two such arrays' entries overflows
     (Cauchy-Schwarz).
     """
-    if not (A.flags.c_contiguous or A.flags.f_contiguous):
-        A = np.ascontiguousarray(A)
     flat = A if A.flags.c_contiguous else A.T
     return bool(_kernels.squares_finite(flat.reshape(flat.shape[0], -1), float(rows)))
 

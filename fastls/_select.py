@@ -452,7 +452,7 @@ class _BandPath(RidgePath):
 
     def default_grid(self):
         """:data:`DEFAULT_GRID` times the mean eigenvalue trace(G) / d (times 1 when G is 0)."""
-        scale = self._trace / max(self._lower.shape[1], 1)
+        scale = self._trace / self._lower.shape[1]
         return DEFAULT_GRID * (scale if scale > 0 else 1.0)
 
     def solve(self, shift):

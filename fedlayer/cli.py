@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import json
 import sys
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -286,14 +285,8 @@ def _load_models(path):
         files = [path]
     else:
         raise ValueError(f"{path}: no such model file or directory")
-    models = []
-    for file in files:
-        try:
-            model, metadata = Model.load(file)
-        except (OSError, EOFError, KeyError, zipfile.BadZipFile) as err:
-            raise ValueError(f"{file} is not a readable fedlayer model file ({type(err).__name__}: {err})") from None
-        models.append((file, model, metadata))
-    return models
+    # Model.load names a damaged or foreign file itself (ValueError); an unreadable one stays an OSError.
+    return [(file, *Model.load(file)) for file in files]
 
 
 def _predict_split(models, args):

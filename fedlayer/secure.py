@@ -309,8 +309,9 @@ def shamir_combine(shares, length=_KEY_BYTES, t=None):
     xs = [x for x, _ in shares]
     if len(set(xs)) != len(xs):
         raise SecureAggregationError(f"shares with repeated indices {sorted(xs)} (tampered or mixed)")
-    polynomial = _polynomial(shares if t is None else shares[:t])
-    for x, y in shares[len(shares) if t is None else t:]:
+    used = shares if t is None else shares[:t]
+    polynomial = _polynomial(used)
+    for x, y in shares[len(used):]:
         if polynomial(x) != y % PRIME:
             raise SecureAggregationError(f"share {x} does not lie on the polynomial of the others (tampered or mixed)")
     secret = polynomial(0)
