@@ -45,16 +45,25 @@ def draw_images(shape, seed):
     return rng, rng.standard_normal((B, H, W, channels)), (kh, kw, ph, pw, bias, order)
 
 
+def draw_problem(shape, seed, m, dtype=np.float64):
+    """(rng, images, targets (B, m), geometry, G_ref, C_ref) in ``dtype`` for a drawn geometry, or None."""
+    drawn = draw_images(shape, seed)
+    if drawn is None:
+        return None
+    rng, images, (kh, kw, ph, pw, bias, order) = drawn
+    images = images.astype(dtype)
+    targets = rng.standard_normal((len(images), m)).astype(dtype)
+    return (rng, images, targets, (kh, kw, ph, pw, bias, order),
+            *reference(images, targets, (kh, kw), (ph, pw), bias))
+
+
 @settings(max_examples=60, deadline=None)
 @given(geometry, st.integers(0, 2**31 - 1))
 def test_overlap_equals_im2col_float64(shape, seed):
-    drawn = draw_images(shape, seed)
+    drawn = draw_problem(shape, seed, 3)
     if drawn is None:
         return
-    rng, images, (kh, kw, ph, pw, bias, order) = drawn
-    B = len(images)
-    targets = rng.standard_normal((B, 3))
-    G_ref, C_ref = reference(images, targets, (kh, kw), (ph, pw), bias)
+    rng, images, targets, (kh, kw, ph, pw, bias, order), G_ref, C_ref = drawn
     d = G_ref.shape[0]
     G0 = np.asarray(rng.standard_normal((d, d)), order=order)
     C0 = rng.standard_normal((d, 3))
@@ -69,14 +78,12 @@ def test_overlap_equals_im2col_float64(shape, seed):
 @given(geometry, st.integers(0, 2**31 - 1), st.sampled_from(["overlap", "auto"]), st.data())
 def test_batches_in_any_split_equal_im2col_float64(shape, seed, method, data):
     """Statistics accumulated over several update calls (products kept per group between them), exactly."""
-    drawn = draw_images(shape, seed)
+    drawn = draw_problem(shape, seed, 2)
     if drawn is None:
         return
-    rng, images, (kh, kw, ph, pw, bias, order) = drawn
+    _, images, targets, (kh, kw, ph, pw, bias, order), G_ref, C_ref = drawn
     B = len(images)
-    targets = rng.standard_normal((B, 2))
     cuts = sorted(data.draw(st.sets(st.integers(1, B - 1), max_size=B - 1)) if B > 1 else set())
-    G_ref, C_ref = reference(images, targets, (kh, kw), (ph, pw), bias)
     d = G_ref.shape[0]
     G, C = np.zeros((d, d), order=order), np.zeros((d, 2))
     with fastls.ConvStats(G, C, images.shape[1:], (kh, kw), padding=(ph, pw), append_ones=bias,
@@ -91,13 +98,10 @@ def test_batches_in_any_split_equal_im2col_float64(shape, seed, method, data):
        st.sampled_from(["overlap", "im2col", "auto"]), st.sampled_from([1, 3, 4096]), st.integers(1, 5))
 def test_float32_images_equal_im2col_in_float64(shape, seed, g_dtype, method, block_rows, m):
     """float32 data, into float32 or float64 G: the float32 tolerance over the rows of each sum."""
-    drawn = draw_images(shape, seed)
+    drawn = draw_problem(shape, seed, m, np.float32)
     if drawn is None:
         return
-    rng, images, (kh, kw, ph, pw, bias, order) = drawn
-    images = images.astype(np.float32)
-    targets = rng.standard_normal((len(images), m)).astype(np.float32)
-    G_ref, C_ref = reference(images, targets, (kh, kw), (ph, pw), bias)
+    _, images, targets, (kh, kw, ph, pw, bias, order), G_ref, C_ref = drawn
     d = G_ref.shape[0]
     G, C = np.zeros((d, d), g_dtype, order=order), np.zeros((d, m), g_dtype)
     fastls.conv_gram_update(G, C, images, targets, (kh, kw), padding=(ph, pw), append_ones=bias, method=method,
