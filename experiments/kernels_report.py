@@ -1,6 +1,7 @@
 """Time the fastls kernels against their references in one process; print a markdown report.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python experiments/kernels_report.py [--repeat 3] [--out FILE]
+        [--only-targets | --only-gcv [--gcv-wide]]
 
 Every ratio compares two implementations timed in the same process, on the
 same data, interleaved, best of ``--repeat``; 2 BLAS threads unless stated.
@@ -179,25 +180,30 @@ def gcv_table(sizes):
     return rows
 
 
+def gcv_section(wide):
+    sizes = GCV_SIZES["full"] + ([18433] if wide else [])
+    return ["", "### GCV choice of gamma from summed statistics (`RidgePath.from_statistics`, then select "
+            "and solve): G reduced to a band of 64 against one eigendecomposition; one run each", ""] + gcv_table(sizes)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", help="also write the report to this file")
     parser.add_argument("--gcv-wide", action="store_true",
                         help="add d = 18433 to the GCV table (its eigendecomposition alone takes about 11 min)")
-    parser.add_argument("--only-gcv", action="store_true", help="only the GCV table")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--only-gcv", action="store_true", help="only the GCV table")
+    only.add_argument("--only-targets", action="store_true",
+                        help="only the tables issue 9's targets read: the Gram update and the convolution statistics")
     args = parser.parse_args()
     blas = ", ".join(f"{i['internal_api']} {i['version']} ({i['num_threads']} threads, {i['architecture']})"
                      for i in fastls.blas_info())
     lines = [f"Machine: {platform.machine()}, {fastls.available_cores()} cores, Python {platform.python_version()}, "
              f"NumPy {np.__version__}; BLAS: {blas}; float32 gemm (4096^3) at the start: "
              f"{gemm_rate() / 1e9:.0f} GFLOP/s", ""]
-    gcv_sizes = GCV_SIZES["full"] + ([18433] if args.gcv_wide else [])
-    gcv_lines = ["", "### GCV choice of gamma from summed statistics (`RidgePath.from_statistics`, then select "
-                 "and solve): G reduced to a band of 64 against one eigendecomposition; one run each", ""]
-    gcv_lines += gcv_table(gcv_sizes)
     if args.only_gcv:
-        emit_report(lines + gcv_lines, args.out)
+        emit_report(lines + gcv_section(args.gcv_wide), args.out)
         return 0
     lines += ["### Gram update (G += X^T X), fastls with its finiteness check against SciPy's syrk", ""]
     lines += gram_table(args.repeat)
@@ -215,12 +221,15 @@ def main():
                   f"{wide_nd2 / base_nd2:.2f}x with N d^2 counted for both (im2col's work; the overlap saves "
                   f"less of it on the 4x4 map), {wide_done / base_done:.2f}x in the multiply-adds the overlap "
                   f"performs ({wide_done:.0f} against {base_done:.0f} GFLOP/s)."]
+    if args.only_targets:
+        emit_report(lines, args.out)
+        return 0
     lines += ["", "### Forward 3x3 convolutions, float32 (bias row; the images of one 16 MiB forward step)", ""]
     lines += forward_table(args.repeat)
     lines += ["", "### Proximal solve: primal (G, then Cholesky of d x d) against dual (Cholesky of n x n)", ""]
     lines += proximal_table(args.repeat)
     lines += ["", "### Ridge solve", ""] + solve_table(args.repeat)
-    lines += gcv_lines
+    lines += gcv_section(args.gcv_wide)
     emit_report(lines, args.out)
     return 0
 
