@@ -292,3 +292,78 @@ def test_a_float32_model_is_kept_sent_and_shared_in_float32(rng):
     for index in client32.model.trainable:
         assert_close(client32.model.layers[index].weights, client64.model.layers[index].weights, np.float32,
                      rtol=1e-4)
+
+
+def test_eq7_batch_sizes_of_a_run_come_from_round_one_and_reach_the_clients(rng, monkeypatch):
+    """Each round's batch sizes are eq. (7) of the arrival times recorded: T_l / min_j T_1^j * B_1, capped.
+
+    A slow link makes the upload part of each arrival (eq. 7 counts it) and the ratios differ per layer,
+    so a rule that took the current round as reference, left out the upload, compounded B_l instead of
+    B_1, or recorded sizes the clients never used would not match.
+    """
+    seen = []
+    real = Client.local_stats
+
+    def spy(self, position, batch_size, *args, **kwargs):
+        seen.append((position, self.client_id, batch_size))
+        return real(self, position, batch_size, *args, **kwargs)
+
+    monkeypatch.setattr(Client, "local_stats", spy)
+    x, y = make_data(rng, n=200)
+    parts = np.array_split(np.arange(200), 4)
+    first = {i: 5 + 3 * i for i in range(4)}
+    cap = {0: 10**6, 1: 10**6, 2: 10**6, 3: 15}
+    outcome, _ = run_clients([client_data(x, y, p) for p in parts], VARIANTS["fedacnnl"], config=dnn_config(12),
+                             batch_size=first, max_batch_size=cap, clock=Clock(bandwidth_bytes_per_s=2e5))
+    rounds = outcome["rounds"]
+    assert len(rounds) == 3
+    used = {(position, cid): batch for position, cid, batch in seen}
+    arrivals = [{int(cid): t["arrival_s"] for cid, t in record["clients"].items()} for record in rounds]
+    for cid in range(4):
+        assert used[(0, cid)] == rounds[0]["clients"][str(cid)]["batch_size"] == first[cid]
+    for position in (1, 2):
+        expected = adaptive_batch_sizes(arrivals[position - 1], arrivals[0], first, cap)
+        for cid in range(4):
+            assert rounds[position]["clients"][str(cid)]["batch_size"] == expected[cid] == used[(position, cid)]
+            # The upload alone (the layer's G and C at 0.2 MB/s) is most of an arrival here.
+            assert rounds[position - 1]["clients"][str(cid)]["comm_s"] > rounds[position - 1]["clients"][
+                str(cid)]["compute_s"]
+    assert used[(2, 3)] == 15  # client 3 at its cap (B_1 = 14)
+    # The rule's inputs differ between the rounds, so the checks above could tell the rounds apart.
+    assert len({round(min(a.values()), 9) for a in arrivals}) == 3
+    assert any(used[(2, cid)] != used[(1, cid)] for cid in range(3))
+
+
+def test_fedacnnl_wa_keeps_the_first_batch_sizes(rng):
+    x, y = make_data(rng, n=120)
+    parts = np.array_split(np.arange(120), 3)
+    outcome, _ = run_clients([client_data(x, y, p) for p in parts], VARIANTS["fedacnnl-wa"], config=dnn_config(12),
+                             batch_size={0: 7, 1: 9, 2: 11}, clock=Clock(bandwidth_bytes_per_s=2e5))
+    for record in outcome["rounds"]:
+        assert {cid: t["batch_size"] for cid, t in record["clients"].items()} == {"0": 7, "1": 9, "2": 11}
+
+
+def test_personalization_of_a_run_uses_eps_not_gamma(rng):
+    """pFedACnnL-WC's personalized layer is eq. (13) with eps around the meta-model (gamma elsewhere)."""
+    x, y = make_data(rng, n=90, d=5)
+    config = build_model("lr", (5,), N_CLASSES).config()
+    parts = np.array_split(np.arange(90), 3)
+    outcome, transport = run_clients([client_data(x, y, p) for p in parts], VARIANTS["pfedacnnl-wc"], config=config,
+                                     gamma=2.0, eps=50.0, groups=1)
+    A = np.hstack([x, np.ones((90, 1))])
+    Y = np.eye(N_CLASSES)[y]
+    M = np.linalg.solve(A.T @ A + 2.0 * np.eye(6), A.T @ Y)
+    assert_close(outcome["group_weights"][0][0], M, np.float64, rtol=1e-10)
+    for cid, p in enumerate(parts):
+        W_ref = np.linalg.solve(A[p].T @ A[p] + 50.0 * np.eye(6), A[p].T @ Y[p] + 50.0 * M)
+        W = transport.client(cid).model.layers[transport.client(cid).model.trainable[0]].weights
+        assert_close(W, W_ref, np.float64, rtol=1e-9)
+
+
+def test_time_summary_is_the_mean_over_clients_of_their_summed_rounds():
+    rounds = [{"clients": {"0": {"compute_s": 1.0, "idle_s": 3.0, "comm_s": 0.5},
+                           "1": {"compute_s": 4.0, "idle_s": 0.0, "comm_s": 0.5}}},
+              {"clients": {"0": {"compute_s": 2.0, "idle_s": 0.0, "comm_s": 0.25},
+                           "1": {"compute_s": 1.0, "idle_s": 1.0, "comm_s": 0.25}}}]
+    summary = time_summary(rounds)
+    assert summary == pytest.approx({"compute_s": 4.0, "idle_s": 2.0, "comm_s": 0.75, "total_s": 6.75})

@@ -15,6 +15,7 @@ from fedlayer.secure import (
     SecureServer,
     fraction_bits,
     keystream_words,
+    magnitude_exponent,
     neighbour_graph,
     shamir_combine,
     shamir_split,
@@ -601,3 +602,51 @@ def test_a_group_lost_to_failures_and_then_to_the_secure_protocol_names_both_rea
     message = str(err.value)
     assert "client 0: ClientDropout: client 0: simulated failure in layer 1" in message
     assert "client 2: secure_self_mask: SecureAggregationError: client 2: none of its neighbours" in message
+
+
+def test_fixed_point_limit_is_the_terms_share_of_two_to_the_63():
+    code = FixedPoint(40, 100)
+    limit = 2.0 ** 63 / 100 / 2.0 ** 40
+    assert code.limit == pytest.approx(limit, rel=1e-15)
+    code.encode(np.array([0.99 * limit, -0.99 * limit]))
+    with pytest.raises(SecureAggregationError, match="the value would wrap"):
+        code.encode(np.array([1.01 * limit]))
+    # 100 terms at 0.99 of the limit sum without wrapping.
+    total = sum(code.encode(np.array([0.99 * limit])) for _ in range(100))
+    assert code.decode(total)[0] == pytest.approx(99 * limit, rel=1e-12)
+
+
+@pytest.mark.parametrize("values,exponent", [([1.0], 1), ([3.0], 2), ([0.5], 0), ([0.75], 0), ([4.0], 3),
+                                             ([-4.0, 0.1], 3), ([0.0], 0), ([2.0 ** -30], -29)])
+def test_magnitude_exponent_is_the_smallest_e_above_every_value(values, exponent):
+    assert magnitude_exponent([np.array(values)]) == exponent
+    peak = max(abs(v) for v in values)
+    assert peak < 2.0 ** exponent and (peak == 0 or peak >= 2.0 ** (exponent - 1))
+
+
+def test_every_secure_sum_is_encoded_for_the_clients_in_it(rng, monkeypatch):
+    """The fixed point's range is split among the terms actually summed: one share per surviving client."""
+    import fedlayer.federated
+    import fedlayer.secure
+
+    terms = []
+    real = fedlayer.secure.FixedPoint
+
+    class Spy(real):
+        def __init__(self, frac_bits, n_terms):
+            terms.append(n_terms)
+            super().__init__(frac_bits, n_terms)
+
+    monkeypatch.setattr(fedlayer.secure, "FixedPoint", Spy)
+    monkeypatch.setattr(fedlayer.federated, "FixedPoint", Spy)
+    run_protocol(InProcessTransport(_clients(rng, 5)), 2, VARIANTS["fedacnnl"], batch_size=7,
+                 secure=SecureServer(seed=5))
+    assert terms and set(terms) == {5}
+
+
+def test_secure_pfedacnnl_merges_groups_below_the_minimum_size(rng):
+    """Five K-means groups of nine clients must leave one below three; merged, none is."""
+    result = run_protocol(InProcessTransport(_clients(rng, 9)), 1, VARIANTS["pfedacnnl-wp"], batch_size=7, groups=5,
+                          secure=SecureServer(seed=5, min_group_size=3))
+    sizes = np.bincount(list(result["groups"].values()))
+    assert sizes.min() >= 3 and sizes.sum() == 9
