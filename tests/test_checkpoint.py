@@ -177,3 +177,40 @@ def test_a_checkpoint_resumes_with_the_fingerprint_it_was_saved_with(tmp_path):
         save_checkpoint(tmp_path / "c.npz", fingerprint=fingerprint, layers_done=0, group_of={}, group_weights={},
                         batch={}, first_durations=None, rounds=[])
         assert load_checkpoint(tmp_path / "c.npz", fingerprint)["layers_done"] == 0
+
+
+def test_an_adaptive_run_checkpoints_eq7s_reference_and_next_batch_sizes(tmp_path, rng):
+    """A resumed FedACnnL needs round 1's arrivals (eq. 7's reference) and the batch sizes of the next round."""
+    from fedlayer.federated import VARIANTS, adaptive_batch_sizes
+    from fedlayer.timing import Clock
+    from test_federated import client_data, dnn_config, make_data, run_clients
+
+    x, y = make_data(rng, n=160)
+    parts = np.array_split(np.arange(160), 4)
+    first = {i: 5 + i for i in range(4)}
+    cap = dict.fromkeys(range(4), 10**6)
+    path = tmp_path / "checkpoint.npz"
+    outcome, _ = run_clients([client_data(x, y, p) for p in parts], VARIANTS["fedacnnl"], config=dnn_config(12),
+                             batch_size=first, max_batch_size=cap, clock=Clock(bandwidth_bytes_per_s=2e5),
+                             checkpoint=path, fingerprint={"test": 1})
+    state = load_checkpoint(path, {"test": 1})
+    arrivals = [{int(c): t["arrival_s"] for c, t in record["clients"].items()} for record in outcome["rounds"]]
+    assert state["layers_done"] == 3
+    assert {int(c): v for c, v in state["first_durations"].items()} == pytest.approx(arrivals[0], rel=1e-12)
+    assert {int(c): v for c, v in state["batch"].items()} == adaptive_batch_sizes(arrivals[2], arrivals[0], first, cap)
+    assert state["batch"] != {str(c): b for c, b in first.items()}
+
+
+def test_a_checkpoint_whose_weights_were_altered_is_damaged(tmp_path):
+    """The digest covers the arrays' bytes: another weight under the same state and digest is refused."""
+    run(RunConfig(algorithm="fedacnnl", clients=10, model="lr", output=str(tmp_path)))
+    path = tmp_path / "checkpoint.npz"
+    with np.load(path) as data:
+        stored = {name: data[name] for name in data.files}
+    name = next(n for n in stored if n.startswith("w_"))
+    stored[name] = stored[name].copy()
+    stored[name].flat[0] += 1.0
+    np.savez(path, **stored)
+    fingerprint = RunConfig(algorithm="fedacnnl", clients=10, model="lr", output=str(tmp_path)).fingerprint()
+    with pytest.raises(ValueError, match="is damaged"):
+        load_checkpoint(path, fingerprint)

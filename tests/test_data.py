@@ -827,3 +827,34 @@ def test_real_cifar10(real_cifar10):
     # Red is brightest and blue darkest in CIFAR-10: this pins the channel order.
     channel_means = x_train.reshape(-1, 3).mean(axis=0)
     np.testing.assert_allclose(channel_means, [125.3, 122.9, 113.9], atol=0.3)
+
+
+def test_load_federated_partitions_with_the_given_beta(tmp_path):
+    """--beta reaches the Dirichlet draw: each client holds dirichlet_partition's labels for that beta."""
+    written = write_fake_mnist(tmp_path / "mnist", n_train=200, n_test=100, seed=4)
+    labels = np.concatenate([written[1], written[3]]).astype(np.int64)
+    partition_seed, _ = np.random.SeedSequence(0).spawn(2)
+    held = {}
+    for beta in (0.2, 50.0):
+        dataset = load_federated("mnist", n_clients=4, beta=beta, min_samples=3, seed=0, data_dir=tmp_path)
+        expected = dirichlet_partition(labels, 4, beta=beta, min_samples=3, seed=partition_seed)
+        held[beta] = [np.bincount(np.concatenate([c.y_train, c.y_test]), minlength=10) for c in dataset.clients]
+        for counts, indices in zip(held[beta], expected):
+            np.testing.assert_array_equal(counts, np.bincount(labels[indices], minlength=10))
+    assert any((a != b).any() for a, b in zip(held[0.2], held[50.0]))
+
+
+def test_load_federated_synthetic_passes_alpha_and_beta_to_the_generator():
+    for alpha, beta in ((1.0, 0.0), (0.0, 1.0)):
+        dataset = load_federated("synthetic", n_clients=3, seed=1, synthetic_alpha=alpha, synthetic_beta=beta)
+        for client, (x, y) in zip(dataset.clients, make_synthetic(alpha=alpha, beta=beta, n_users=3, seed=1)):
+            pooled = np.concatenate([client.x_train, client.x_test])
+            np.testing.assert_array_equal(np.sort(pooled, axis=0), np.sort(x, axis=0))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dirichlet_partition_stops_filling_a_client_past_its_share(seed):
+    """NIID-Bench's rule: a client at n / n_clients gets no further class, so it ends below share + one class."""
+    labels = np.repeat(np.arange(10), 200)
+    parts = dirichlet_partition(labels, 5, beta=0.1, min_samples=0, seed=seed)
+    assert max(len(p) for p in parts) <= len(labels) / 5 + 200
