@@ -290,3 +290,18 @@ def test_time_records():
     # An infinite-bandwidth clock moves the parameters for free.
     free = run_baseline(transport, "fedavg", 1, clock=Clock(float("inf")), lr=0.1, batch_size=16)
     assert all(t["comm_s"] == 0.0 for t in free["rounds"][0]["clients"].values())
+
+
+def test_fedavg_averages_the_clients_weighted_by_their_samples():
+    """McMahan et al.'s FedAvg: the new global model is sum_i n_i w_i / sum_i n_i, not the plain mean."""
+    data = make_problem(6, n_clients=2)
+    data[1] = ClientData(data[1].x_train[:20], data[1].y_train[:20], data[1].x_test, data[1].y_test)
+    _, p0 = initial("lr")
+    hyper = dict(lr=0.1, batch_size=8, local_epochs=1)
+    out = run_baseline(transport_for(data), "fedavg", 1, clock=Clock(), init_params=p0, **hyper)
+    local = [BaselineClient(i, d, "lr", N_CLASSES, 0, 1).local_train("fedavg", p0, 0, **hyper)
+             for i, d in enumerate(data)]
+    assert [r["n"] for r in local] == [90, 20]
+    expected = (90 * local[0]["params"] + 20 * local[1]["params"]) / 110
+    assert_close(out["params"], expected, np.float64, rtol=1e-12)
+    assert not np.allclose(out["params"], (local[0]["params"] + local[1]["params"]) / 2)

@@ -180,3 +180,59 @@ def test_plot_marks_layers_only_for_layered_rounds(tmp_path, monkeypatch):
         annotated.clear()
         assert main(["plot", str(out / "results.json")]) == 0
         assert annotated == marks
+
+
+# Each run option reaches the code it configures (a mutation audit found options parsed and then ignored).
+
+def _small(**options):
+    return RunConfig(**{"clients": 10, "groups": 3, "seed": 1, **options})
+
+
+def test_latency_reaches_the_clock():
+    results = run(_small(algorithm="fedacnnl", model="lr", latency_ms=50.0))
+    for record in results["rounds"].values():
+        assert all(t["comm_s"] >= 0.1 for t in record["clients"].values())  # up and down, 50 ms each
+
+
+def test_max_batch_size_caps_eq7():
+    results = run(_small(algorithm="fedacnnl", batch_size=64, max_batch_size=70, bandwidth_gbps=1e-3))
+    sizes = [t["batch_size"] for record in results["rounds"].values() for t in record["clients"].values()]
+    assert max(sizes) == 70 and min(sizes) == 64
+
+
+def test_round_deadline_reaches_the_clients():
+    with pytest.raises(Exception, match="past the round deadline of 1e-09 s"):
+        run(_small(algorithm="fedacnnl", model="lr", round_deadline=1e-9))
+
+
+def test_min_group_size_reaches_the_secure_server():
+    sizes = {size: np.bincount(list(run(_small(algorithm="pfedacnnl-wp", model="lr", clients=20, groups=4,
+                                                secure=True, min_group_size=size))["groups"].values()))
+             for size in (3, 5)}
+    assert sizes[3].min() == 3 and sizes[5].min() >= 5  # K-means leaves a group of 3 (seed 1)
+
+
+def test_h_noise_reaches_the_label_summaries():
+    from fedlayer.run import build, load_dataset, make_clients
+
+    summaries = []
+    for h_noise in (0.0, 0.5):
+        config = _small(algorithm="pfedacnnl", model="lr", h_noise=h_noise)
+        dataset = load_dataset(config)
+        client = make_clients(config, dataset, build(config, dataset).config(), client_ids=[0])[0]
+        summaries.append(client.label_summary()["h"])
+    assert not np.allclose(summaries[0], summaries[1])
+
+
+def test_upload_choice_reaches_the_clients():
+    sent = {upload: run(_small(algorithm="fedacnnl", upload=upload))["rounds"]["1"]["bytes_up"]
+            for upload in ("coordinates", "targets")}
+    assert sent["coordinates"] < sent["targets"]
+
+
+def test_gamma_scope_group_chooses_a_gamma_per_group():
+    scopes = {}
+    for scope in ("all", "group"):
+        results = run(_small(algorithm="pfedacnnl-wp", model="lr", gamma="auto", gamma_scope=scope))
+        scopes[scope] = set(next(r for r in results["rounds"].values() if "selection" in r)["selection"])
+    assert scopes["all"] == {"all"} and scopes["group"] == {"0", "1", "2"}
