@@ -202,3 +202,13 @@ def test_drop_probability_out_of_range_is_refused(rng, bad):
     with pytest.raises(ValueError, match=r"drop_probability must be in \[0, 1\)"):
         Client(0, client_data(x, y, np.arange(20)), dnn_config(12), seed=0, n_classes=N_CLASSES,
                drop_probability=bad)
+
+
+def test_each_round_draws_its_own_simulated_dropouts(rng):
+    """--drop-clients draws per client and round: layer l's dropouts are the draws of round l, not of round 1."""
+    clients, *_ = make_clients(rng, 10, drop_probability=0.4)
+    outcome = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], batch_size=8)
+    recorded = [set(map(int, record.get("dropped", {}))) for record in outcome["rounds"]]
+    expected = [{c.client_id for c in clients if _drops(c, position, position)} for position in range(3)]
+    assert recorded == expected
+    assert len({frozenset(s) for s in expected}) > 1  # the rounds' draws differ, so the check above tells them apart
