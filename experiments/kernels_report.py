@@ -195,7 +195,7 @@ def main():
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--only-gcv", action="store_true", help="only the GCV table")
     only.add_argument("--only-targets", action="store_true",
-                        help="only the tables issue 9's targets read: the Gram update and the convolution statistics")
+                      help="only the tables issue 9's targets read: the Gram update and the convolution statistics")
     args = parser.parse_args()
     blas = ", ".join(f"{i['internal_api']} {i['version']} ({i['num_threads']} threads, {i['architecture']})"
                      for i in fastls.blas_info())

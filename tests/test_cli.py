@@ -209,7 +209,7 @@ def test_min_group_size_reaches_the_secure_server():
     sizes = {size: np.bincount(list(run(_small(algorithm="pfedacnnl-wp", model="lr", clients=20, groups=4,
                                                 secure=True, min_group_size=size))["groups"].values()))
              for size in (3, 5)}
-    assert sizes[3].min() == 3 and sizes[5].min() >= 5  # K-means leaves a group of 3 (seed 1)
+    assert sizes[3].min() < 5 <= sizes[5].min()  # the default left a group that the stricter size merged
 
 
 def test_h_noise_reaches_the_label_summaries():

@@ -66,6 +66,7 @@ def test_conv_stats_refuses_nan_targets_and_g_c_of_two_dtypes(rng):
     stats = fastls.ConvStats(G, C, images.shape[1:], 3, append_ones=True, per_image_targets=False)
     with pytest.raises(ValueError, match="targets"):
         stats.update(images, targets)
+    np.testing.assert_array_equal(G, 0.0)  # refused before any product
     np.testing.assert_array_equal(C, 0.0)
     with pytest.raises(TypeError, match="share a dtype"):
         fastls.ConvStats(G, C.astype(np.float32), images.shape[1:], 3, append_ones=True)
@@ -83,7 +84,6 @@ def test_conv_stats_bounds_products_over_every_patch_row_of_the_batch(rng):
 
 def _factored_reference(images, targets, basis):
     P = fastls.im2col(images, 3, append_ones=True)
-    out_h, out_w = basis.shape[:2]
     T = np.einsum("nk,yxkm->nyxm", targets, basis).reshape(-1, basis.shape[3])
     return P.T @ P, P.T @ T
 
