@@ -110,6 +110,8 @@ def test_conv2d_refuses_bad_input(rng):
         fastls.conv2d(x[:, :2], W, 3)
     with pytest.raises(ValueError, match=r"out must be a C-contiguous array of shape \(2, 3, 3, 4\)"):
         fastls.conv2d(x, W, 3, out=np.empty((2, 3, 3, 5)))
+    with pytest.raises(ValueError, match=r"out must be a C-contiguous array of shape \(2, 3, 3, 4\)"):
+        fastls.conv2d(x, W, 3, out=np.empty((2, 3, 3, 4), order="F"))  # its reshape would be a copy
     with pytest.raises(ValueError, match=r"filters must be winograd_filters\(W, 3\)"):
         fastls.conv2d(x, W, 3, method="winograd", filters=np.zeros((16, 3, 5)))
     with pytest.raises(ValueError, match="9 \\* channels"):

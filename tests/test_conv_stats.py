@@ -18,6 +18,13 @@ def reference(images, targets, kernel_size, padding, append_ones):
     return P.T @ P, P.T @ T
 
 
+def per_position_reference(images, coordinates, basis, kernel_size, padding, append_ones):
+    """(P^T P, P^T T) with T's row at (n, y, x) = coordinates[n] @ basis[y, x], written out per position."""
+    P = fastls.im2col(images, kernel_size, padding=padding, append_ones=append_ones)
+    T = np.einsum("nk,yxkm->nyxm", coordinates, basis).reshape(-1, basis.shape[3])
+    return P.T @ P, P.T @ T
+
+
 def assert_exact(G, C, G_ref, C_ref):
     """The issue's bound: relative error <= 1e-12 against im2col in float64 (G's upper triangle)."""
     assert_close(np.triu(G), np.triu(G_ref), np.float64, rtol=1e-12)
@@ -215,6 +222,8 @@ def test_overlap_refuses_what_it_cannot_do(rng):
                                 method="overlap")
     with pytest.raises(ValueError, match="method must be one of"):
         fastls.conv_gram_update(G, C, images, rng.standard_normal((2, 2)), 3, append_ones=True, method="fft")
+    with pytest.raises(TypeError, match="G and C must share a dtype"):
+        fastls.ConvStats(G, C.astype(np.float32), (7, 7, 4), 3, append_ones=True)
     np.testing.assert_array_equal(G, 0)
 
 
@@ -229,6 +238,10 @@ def test_refused_batch_leaves_running_statistics_untouched(rng, bad):
     broken[0, 3, 1, 2] = bad
     with pytest.raises(ValueError, match="images contains NaN or Inf"):
         stats.update(broken, targets[2:])
+    broken_targets = targets[2:].copy()
+    broken_targets[0, 1] = bad
+    with pytest.raises(ValueError, match="targets contains NaN or Inf"):
+        stats.update(images[2:], broken_targets)
     with pytest.raises(ValueError, match=r"images must have shape \(B, 6, 6, 4\)"):
         stats.update(images[:, :5], targets)
     with pytest.raises(TypeError, match="keep the dtype of the first batch"):
@@ -266,16 +279,32 @@ def test_position_basis_equals_explicit_per_position_targets(shape, k, method, s
     coordinates = rng.standard_normal((B, k))
     out_h, out_w = fastls.conv_output_shape((H, W), (kh, kw), padding=(ph, pw))
     basis = rng.standard_normal((out_h, out_w, k, 3))
-    P = fastls.im2col(images, (kh, kw), padding=(ph, pw), append_ones=bias)
-    T = np.einsum("nk,yxkm->nyxm", coordinates, basis).reshape(-1, 3)
-    d = P.shape[1]
+    G_ref, C_ref = per_position_reference(images, coordinates, basis, (kh, kw), (ph, pw), bias)
+    d = G_ref.shape[0]
     G, C = np.zeros((d, d), order=order), np.zeros((d, 3))
     halves = [slice(0, B // 2), slice(B // 2, B)]
     with fastls.ConvStats(G, C, (H, W, channels), (kh, kw), padding=(ph, pw), append_ones=bias, method=method,
                           position_basis=basis) as stats:
         for half in halves:
             stats.update(images[half], coordinates[half])
-    assert_exact(G, C, P.T @ P, P.T @ T)
+    assert_exact(G, C, G_ref, C_ref)
+
+
+def test_position_basis_over_small_blocks_and_two_finishes(rng):
+    """Factored targets in blocks of 3 images over 7, then a second finish on new images (sums restarted)."""
+    images, more = rng.standard_normal((7, 5, 5, 2)), rng.standard_normal((4, 5, 5, 2))
+    coordinates, more_coordinates = rng.standard_normal((7, 6)), rng.standard_normal((4, 6))
+    basis = rng.standard_normal((3, 3, 6, 4))
+    G, C = np.zeros((19, 19)), np.zeros((19, 4))
+    stats = fastls.ConvStats(G, C, (5, 5, 2), 3, append_ones=True, block_rows=3, position_basis=basis)
+    stats.update(images, coordinates)
+    stats.finish()
+    G_ref, C_ref = per_position_reference(images, coordinates, basis, 3, 0, True)
+    assert_exact(G, C, G_ref, C_ref)
+    stats.update(more, more_coordinates)
+    stats.finish()
+    G_more, C_more = per_position_reference(more, more_coordinates, basis, 3, 0, True)
+    assert_exact(G, C, G_ref + G_more, C_ref + C_more)
 
 
 def test_position_basis_keeps_the_overlap_and_checks_its_shape(rng):
@@ -289,6 +318,12 @@ def test_position_basis_keeps_the_overlap_and_checks_its_shape(rng):
         stats.update(images, rng.standard_normal((3, 8)))
     with pytest.raises(ValueError, match=r"position_basis must have shape \(12, 12, k, 8\)"):
         fastls.ConvStats(G, C, (14, 14, 32), 3, append_ones=True, position_basis=basis[:-1])
+    with pytest.raises(ValueError, match=r"position_basis must have shape \(12, 12, k, 8\)"):
+        fastls.ConvStats(G, C, (14, 14, 32), 3, append_ones=True, position_basis=basis[..., :-1])
+    broken = basis.copy()
+    broken[1, 2, 3, 0] = np.nan
+    with pytest.raises(ValueError, match="position_basis contains NaN or Inf"):
+        fastls.ConvStats(G, C, (14, 14, 32), 3, append_ones=True, position_basis=broken)
     with pytest.raises(ValueError, match="per_image_targets must be True"):
         fastls.ConvStats(G, C, (14, 14, 32), 3, per_image_targets=False, append_ones=True, position_basis=basis)
 
@@ -379,3 +414,29 @@ def test_blocks_assembled_by_two_threads_equal_one_thread_bit_for_bit(rng, order
     np.testing.assert_array_equal(results[0], results[1])
     G_ref, _ = reference(images, targets, 3, 0, True)
     assert_close(np.triu(results[0]), np.triu(G_ref), images_dtype, 5 * 6 * 7)
+
+
+def test_overlap_float32_sums_never_span_more_than_block_rows():
+    """2895^2 is odd and near 2^23: float32 sums of two such squares are exact, of three are not."""
+    images = np.full((2, 1, 3, 1), 2895.0, np.float32)
+    G, C = np.zeros((1, 1)), np.zeros((1, 1))
+    with fastls.ConvStats(G, C, (1, 3, 1), 1, method="overlap", block_rows=2) as stats:
+        stats.update(images[:1], np.ones((1, 1), np.float32))
+        stats.update(images[1:], np.ones((1, 1), np.float32))
+    assert G[0, 0] == 6 * 2895.0 ** 2
+
+
+def test_overlap_folds_never_write_below_the_diagonal_of_a_fortran_g(rng):
+    """Recycled products of an abandoned C-ordered statistic must not leak into a Fortran G's lower triangle."""
+    images = rng.standard_normal((4, 7, 6, 3)).astype(np.float32)
+    targets = rng.standard_normal((4, 2)).astype(np.float32)
+    abandoned = fastls.ConvStats(np.zeros((28, 28)), np.zeros((28, 2)), (7, 6, 3), 3, padding=1, append_ones=True,
+                                 method="overlap")
+    abandoned.update(images[:1], targets[:1])
+    del abandoned
+    lower = np.asfortranarray(np.tril(rng.standard_normal((28, 28)), -1))
+    G = lower.copy(order="F")
+    with fastls.ConvStats(G, np.zeros((28, 2)), (7, 6, 3), 3, padding=1, append_ones=True, method="overlap",
+                          block_rows=3) as stats:
+        stats.update(images, targets)
+    np.testing.assert_array_equal(np.tril(G, -1), np.tril(lower, -1))

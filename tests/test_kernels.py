@@ -436,6 +436,11 @@ def test_ridge_solve_eigh_fallback(rng):
     shifted = np.diag([4.0, 3.0, 2.0, 0.5, 0.0])
     ref = V @ np.linalg.pinv(shifted) @ V.T @ C
     np.testing.assert_allclose(W, ref, atol=1e-10)
+    # The proximal solve's fallback solves C + eps M on the same eigenvalues.
+    M = rng.standard_normal((5, 2))
+    with pytest.warns(RuntimeWarning, match="eigh"):
+        W = fastls.proximal_solve(G, C, 1.0, M, on_failure="eigh")
+    np.testing.assert_allclose(W, V @ np.linalg.pinv(shifted) @ V.T @ (C + M), atol=1e-10)
 
 
 # ---------------------------------------------------------------------------
@@ -467,6 +472,18 @@ def test_bad_shapes():
         fastls.im2col(np.ones((1, 2, 2, 1)), 3)
 
 
+@pytest.mark.parametrize("shape,kernel_size,padding,message", [
+    ((5, 5), (3, 3), (0, -1), "padding"),  # a negative padding in x alone would still leave 1 output column
+    ((5, 3), (3, 5), 0, "does not fit"),   # wider than the map in x only
+    ((3, 5), (5, 3), 0, "does not fit"),   # taller in y only
+    ((5, 5), (3, 4), "same", "odd kernel"),
+    ((5, 5), (4, 3), "same", "odd kernel"),
+])
+def test_im2col_geometry_refuses_each_dimension(rng, shape, kernel_size, padding, message):
+    with pytest.raises(ValueError, match=message):
+        fastls.im2col(rng.standard_normal((1, *shape, 2)), kernel_size, padding=padding)
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_inputs_leave_outputs_untouched(rng, bad):
     X = rng.standard_normal((50, 4))
@@ -480,6 +497,13 @@ def test_non_finite_inputs_leave_outputs_untouched(rng, bad):
     np.testing.assert_array_equal(G, G_before)
     with pytest.raises(ValueError, match="NaN or Inf"):
         fastls.ridge_solve(np.eye(4), X[15:19], 1.0)
+    # The upper-triangle check of a Fortran G reads its diagonal too.
+    G = np.asfortranarray(X[:15].T @ X[:15])
+    G[2, 2] = bad
+    with pytest.raises(ValueError, match="G contains NaN or Inf"):
+        fastls.ridge_solve(G, np.ones((4, 1), order="F"), 1.0)
+    with pytest.raises(ValueError, match="G contains NaN or Inf"):
+        fastls.RidgePath.from_statistics(G, np.ones((4, 1)), 1.0, 20)
     images = rng.standard_normal((2, 3, 3, 1))
     images[1, 2, 2, 0] = bad
     with pytest.raises(ValueError, match="images contains NaN"):
@@ -513,6 +537,12 @@ def test_read_only_and_strided_inputs_are_accepted(rng):
     X.flags.writeable = False
     G = fastls.gram_update(np.zeros((5, 5)), X[:, ::2])
     assert_close(upper(G), upper(X[:, ::2].T @ X[:, ::2]), np.float64, 40)
+    # Told they may be overwritten, read-only G and C are copied instead.
+    G, C = X.T @ X, np.asfortranarray(X.T @ rng.standard_normal((40, 2)))
+    G.flags.writeable = C.flags.writeable = False
+    W = fastls.ridge_solve(G, C, 3.0, overwrite_g=True, overwrite_c=True)
+    assert_close(W, np.linalg.solve(G + 3.0 * np.eye(10), C), np.float64, rtol=1e-12)
+    np.testing.assert_array_equal(G, X.T @ X)
 
 
 # ---------------------------------------------------------------------------
@@ -606,6 +636,22 @@ def test_dual_proximal_solve_checks_its_inputs(rng):
     bad[2, 3] = np.nan
     with pytest.raises(ValueError, match="X contains NaN or Inf"):
         fastls.proximal_solve_dual(bad, Z, 1.0, M)
+    bad_Z, bad_M = Z.copy(), M.copy()
+    bad_Z[1, 1], bad_M[1, 1] = np.inf, np.nan
+    with pytest.raises(ValueError, match="Z contains NaN or Inf"):
+        fastls.proximal_solve_dual(X, bad_Z, 1.0, M)
+    with pytest.raises(ValueError, match="M contains NaN or Inf"):
+        fastls.proximal_solve_dual(X, Z, 1.0, bad_M)
+
+
+def test_dual_proximal_solve_over_many_row_slices_equals_the_primal(rng, monkeypatch):
+    """The dual's products run over row slices of DEFAULT_SCRATCH_BYTES; slices of 3 rows over 10."""
+    import fastls._core
+
+    monkeypatch.setattr(fastls._core, "DEFAULT_SCRATCH_BYTES", 3 * 12 * 8)
+    X, Z, M = rng.standard_normal((10, 12)), rng.standard_normal((10, 3)), rng.standard_normal((12, 3))
+    W = fastls.proximal_solve_dual(X, Z, 2.0, M)
+    assert_close(W, np.linalg.solve(X.T @ X + 2.0 * np.eye(12), X.T @ Z + 2.0 * M), np.float64, rtol=1e-10)
     with pytest.raises(ValueError, match="eps must be a finite number > 0"):
         fastls.proximal_solve_dual(X, Z, 0.0, M)
 
@@ -625,6 +671,10 @@ def test_proximal_solve_refuses_before_writing_c(rng):
     M = rng.standard_normal((6, 2))
     with pytest.raises(ValueError, match="G contains NaN or Inf"):
         fastls.proximal_solve(broken, C, 10.0, M, overwrite_c=True)
+    bad_M = M.copy()
+    bad_M[3, 1] = np.nan
+    with pytest.raises(ValueError, match="M contains NaN or Inf"):
+        fastls.proximal_solve(G, C, 10.0, bad_M, overwrite_c=True)
     with pytest.raises(ValueError, match="on_failure must be one of"):
         fastls.proximal_solve(G, C, 10.0, M, overwrite_c=True, on_failure="lstsq")
     with pytest.raises(ValueError, match="cannot be combined with overwrite_g"):
@@ -682,6 +732,16 @@ def test_gram_update_refuses_overflowing_squares_on_every_path(rng, x_dtype, g_d
     reference = G_before.astype(np.float64) + X.astype(np.float64).T @ X.astype(np.float64)
     assert np.isfinite(np.triu(G)).all()
     assert_close(np.triu(G), np.triu(reference), x_dtype, n_terms=n)
+
+
+def test_same_dtype_gram_bounds_the_squares_over_all_rows_not_a_block(rng):
+    """float32 into float32 sums all N rows in float32: block_rows does not split it."""
+    X = np.full((20, 8), np.sqrt(np.finfo(np.float32).max / 10.0), dtype=np.float32)  # x^2 * 20 overflows, x^2 * 4 not
+    G = random(rng, (8, 8), np.float32)
+    G_before = G.copy()
+    with pytest.raises(ValueError, match="overflow"):
+        fastls.gram_update(G, X, block_rows=4)
+    np.testing.assert_array_equal(G, G_before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -814,6 +874,11 @@ def test_float32_products_that_overflow_are_refused_and_leave_the_sums(rng, g_dt
     X[3, 1] = 1e17  # large, but its products fit float32: accepted, as the float64 reference says
     fastls.cross_update(C, X, X)
     assert_close(C, C_before + X.astype(np.float64).T @ X.astype(np.float64), np.float32, 8)
+    # Small X, huge Z: X^T Z still overflows, so both operands must pass the bound.
+    C_before = C.copy()
+    with pytest.raises(ValueError, match="overflow float32 in X\\^T Z"):
+        fastls.cross_update(C, np.full((10, 2), 10.0, np.float32), np.full((10, 2), 1e37, np.float32))
+    np.testing.assert_array_equal(C, C_before)
     images = random(rng, (2, 6, 6, 3), np.float32)
     images[1, 2, 2, 0] = 1e20
     G, C = random(rng, (28, 28), g_dtype), random(rng, (28, 2), g_dtype)
@@ -824,6 +889,13 @@ def test_float32_products_that_overflow_are_refused_and_leave_the_sums(rng, g_dt
                                     method=method)
     np.testing.assert_array_equal(G, G_before)
     np.testing.assert_array_equal(C, C_before)
+    # 2 images of 6 x 6 with a 3x3 kernel: 32 patch rows. x^2 * 2 fits float32, x^2 * 32 does not.
+    images = np.full((2, 6, 6, 3), np.sqrt(np.finfo(np.float32).max / 8.0), dtype=np.float32)
+    for method in ("im2col", "overlap"):
+        with pytest.raises(ValueError, match="images holds values whose products overflow float32"):
+            fastls.conv_gram_update(G, C, images, random(rng, (2, 2), np.float32), 3, append_ones=True,
+                                    method=method)
+    np.testing.assert_array_equal(G, G_before)
 
 
 def test_a_failed_proximal_solve_leaves_the_right_hand_side_it_was_to_overwrite(rng):
@@ -855,8 +927,9 @@ def test_degenerate_ridge_paths_are_refused_or_solved(rng):
     assert band[0] == eigh[0]
     X, labels = random(rng, (20, 5), np.float64), rng.integers(0, 3, 20)
     path = fastls.RidgePath.from_rows(X, np.eye(3)[labels])
-    with pytest.raises(ValueError, match=r"labels must be classes in \[0, 3\)"):
-        path.select("loo_class", labels=np.where(labels == 0, 7, labels))
+    for outside in (7, 3):  # 3, the number of classes, is the first label outside
+        with pytest.raises(ValueError, match=r"labels must be classes in \[0, 3\)"):
+            path.select("loo_class", labels=np.where(labels == 0, outside, labels))
 
 
 @pytest.mark.parametrize("factor", [float("nan"), float("inf"), "0.5", None, True])

@@ -157,6 +157,18 @@ def test_bad_input_is_refused_with_what_was_expected():
         fastls.RidgePath.from_statistics(bad, C, 1.0, 40)
     with pytest.raises(ValueError, match="center must have shape"):
         fastls.RidgePath.from_statistics(G, C, 1.0, 40, center=np.ones((3, 3)))
+    broken_C, broken_center = C.copy(), np.zeros_like(C)
+    broken_C[2, 1] = broken_center[0, 0] = np.nan
+    with pytest.raises(ValueError, match="C contains NaN or Inf"):
+        fastls.RidgePath.from_statistics(G, broken_C, 1.0, 40)
+    with pytest.raises(ValueError, match="center contains NaN or Inf"):
+        fastls.RidgePath.from_statistics(G, C, 1.0, 40, center=broken_center)
+    broken_X, broken_Z = X.copy(), Z.copy()
+    broken_X[4, 1] = broken_Z[4, 1] = np.nan
+    with pytest.raises(ValueError, match="X contains NaN or Inf"):
+        fastls.RidgePath.from_rows(broken_X, Z)
+    with pytest.raises(ValueError, match="Z contains NaN or Inf"):
+        fastls.RidgePath.from_rows(X, broken_Z)
     with pytest.raises(ValueError, match="Z must have one row per row of X"):
         fastls.RidgePath.from_rows(X, Z[:-1])
     with pytest.raises(ValueError, match="leave-one-out needs the rows"):
@@ -166,6 +178,17 @@ def test_bad_input_is_refused_with_what_was_expected():
         path.gcv([1.0, -2.0])
     with pytest.raises(ValueError, match="criterion must be one of"):
         path.select("aic")
+
+
+def test_centered_path_from_statistics_reads_only_the_upper_triangle():
+    rng = np.random.default_rng(9)
+    X, Z = problem(rng, n=30, d=5, m=2)
+    M = rng.standard_normal((5, 2))
+    zz = float((Z ** 2).sum())
+    full = fastls.RidgePath.from_statistics(X.T @ X, X.T @ Z, zz, 30, center=M, method="eigh")
+    upper = fastls.RidgePath.from_statistics(np.triu(X.T @ X), X.T @ Z, zz, 30, center=M, method="eigh")
+    assert_close(upper.solve(1.0), full.solve(1.0), np.float64, rtol=1e-10)
+    assert_close(upper.gcv([1.0]), full.gcv([1.0]), np.float64, rtol=1e-10)
 
 
 @pytest.mark.parametrize("with_basis", [False, True])

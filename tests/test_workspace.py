@@ -101,3 +101,14 @@ def test_released_arrays_are_neither_counted_nor_handed_back(rng):
     assert fastls.recycled_nbytes() == 0
     c = fastls.recycled_array("one", (10, 10))
     assert not np.shares_memory(a, c) and c.ctypes.data != address and not c.any()
+
+
+def test_zeroing_stays_within_the_core_limit(monkeypatch):
+    monkeypatch.setattr(_workspace, "PARALLEL_ZERO_BYTES", 1024)
+    spans = []
+    real = _workspace.run_spans
+    monkeypatch.setattr(_workspace, "run_spans", lambda fn, parts: (spans.append(len(parts)), real(fn, parts))[1])
+    fastls.recycled_array("test", (97, 53))
+    with fastls.limit_cores(1):
+        fastls.recycled_array("test", (97, 53))
+    assert spans == []  # one core: zeroed in place, never split over threads
