@@ -112,10 +112,22 @@ def _flip_in_weights(content):
     return bytes(data)
 
 
+def _rewrite_a_weight(content):
+    """``content`` saved again, a valid archive, with one weight changed under the same state and digest."""
+    with np.load(io.BytesIO(content)) as data:
+        stored = {name: data[name] for name in data.files}
+    stored["w_0_0"] = stored["w_0_0"].copy()
+    stored["w_0_0"].flat[0] += 1.0
+    out = io.BytesIO()
+    np.savez(out, **stored)
+    return out.getvalue()
+
+
 @pytest.mark.parametrize("damage,message", [
     (lambda content: b"", "cannot be read"),
     (lambda content: content[: len(content) // 2], "cannot be read"),
     (_flip_in_weights, "cannot be read|is damaged"),
+    (_rewrite_a_weight, "is damaged"),  # only the digest over the arrays' bytes can tell
 ])
 def test_resume_from_a_damaged_checkpoint_says_how_to_start_over(tmp_path, capsys, finished_checkpoint,
                                                                  damage, message):

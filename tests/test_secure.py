@@ -45,6 +45,14 @@ def test_fixed_point_refuses_what_would_wrap(rng):
     with pytest.raises(SecureAggregationError, match=r"client 4 G: largest magnitude 1e\+07 does not fit .* "
                                                      r"40 fractional bits and 100 clients\); the value would wrap"):
         code.encode(np.array([1.0, -1e7]), "client 4 G")
+    # The limit is this term's share of 2^63: just below it encodes, and 100 such terms sum without wrapping.
+    limit = 2.0 ** 63 / 100 / 2.0 ** 40
+    assert code.limit == pytest.approx(limit, rel=1e-15)
+    code.encode(np.array([0.99 * limit, -0.99 * limit]))
+    with pytest.raises(SecureAggregationError, match="the value would wrap"):
+        code.encode(np.array([1.01 * limit]))
+    total = sum(code.encode(np.array([0.99 * limit])) for _ in range(100))
+    assert code.decode(total)[0] == pytest.approx(99 * limit, rel=1e-12)
 
 
 def test_fraction_bits_leave_room_for_the_sum():
@@ -603,17 +611,6 @@ def test_a_group_lost_to_failures_and_then_to_the_secure_protocol_names_both_rea
     assert "client 0: ClientDropout: client 0: simulated failure in layer 1" in message
     assert "client 2: secure_self_mask: SecureAggregationError: client 2: none of its neighbours" in message
 
-
-def test_fixed_point_limit_is_the_terms_share_of_two_to_the_63():
-    code = FixedPoint(40, 100)
-    limit = 2.0 ** 63 / 100 / 2.0 ** 40
-    assert code.limit == pytest.approx(limit, rel=1e-15)
-    code.encode(np.array([0.99 * limit, -0.99 * limit]))
-    with pytest.raises(SecureAggregationError, match="the value would wrap"):
-        code.encode(np.array([1.01 * limit]))
-    # 100 terms at 0.99 of the limit sum without wrapping.
-    total = sum(code.encode(np.array([0.99 * limit])) for _ in range(100))
-    assert code.decode(total)[0] == pytest.approx(99 * limit, rel=1e-12)
 
 
 @pytest.mark.parametrize("values,exponent", [([1.0], 1), ([3.0], 2), ([0.5], 0), ([0.75], 0), ([4.0], 3),
