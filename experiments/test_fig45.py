@@ -1,0 +1,28 @@
+"""The Fig. 4/5 script's account of where the idle time goes."""
+
+import pytest
+
+import fig45
+
+
+def test_round_one_bound_is_round_one_share_and_later_ratio():
+    # Two seeds, three rounds of mean idle seconds per client.
+    adaptive = [[0.03, 0.01, 0.01], [0.02, 0.004, 0.006]]
+    fixed = [[0.03, 0.02, 0.03], [0.02, 0.02, 0.01]]
+    (line,) = fig45.round_one_bound(adaptive, fixed)
+    floor = [0.03 / 0.08, 0.02 / 0.05]
+    later = [0.02 / 0.05, 0.01 / 0.03]
+    assert f"is {sum(floor) / 2:.2f} of FedACnnL-WA's idle time" in line
+    assert f"FedACnnL / -WA is {sum(later) / 2:.2f}." in line
+
+
+def test_round_one_bound_per_seed_format():
+    seeds_text = []
+
+    def over_seeds(values, digits=2):
+        seeds_text.append(values)
+        return " / ".join(f"{v:.{digits}f}" for v in values)
+
+    (line,) = fig45.round_one_bound([[1.0, 1.0], [2.0, 0.0]], [[2.0, 2.0], [2.0, 2.0]], over_seeds)
+    assert seeds_text == [pytest.approx([0.25, 0.5]), pytest.approx([0.5, 0.0])]
+    assert "is 0.25 / 0.50 of" in line and "is 0.50 / 0.00." in line
