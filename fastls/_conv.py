@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import _kernels
-from ._core import (DEFAULT_SCRATCH_BYTES, _check_array, _check_count, _check_output, _conv_geometry, _pair, im2col,
-                    matmul)
+from ._core import (DEFAULT_SCRATCH_BYTES, _check_array, _check_count, _check_disjoint, _check_output,
+                    _conv_geometry, _pair, im2col, matmul)
 
 __all__ = ["conv2d", "winograd_filters", "conv2d_method", "WINOGRAD_MIN_CHANNELS"]
 
@@ -129,7 +129,9 @@ def conv2d(images, W, kernel_size, *, padding=0, stride=1, bias=False, method="a
         _check_output("out", out, 4)
         if out.shape != (B, out_h, out_w, F) or out.dtype != images.dtype or not out.flags.c_contiguous:
             raise ValueError(f"out must be a C-contiguous array of shape {(B, out_h, out_w, F)} and dtype "
-                             f"{images.dtype}, got {out.shape} {out.dtype}")
+                             f"{images.dtype}, got {out.shape} {out.dtype}"
+                             + ("" if out.flags.c_contiguous else " (Fortran-ordered)"))
+        _check_disjoint("out", out, images=images, W=W, filters=filters)
     scratch_bytes = _check_count("scratch_bytes", scratch_bytes)
     if B == 0:
         return out

@@ -29,7 +29,7 @@ import numpy as np
 import scipy.linalg
 
 from . import _kernels
-from ._threads import narrow_gram_trials, run_spans, sized_threads, threads_for
+from ._threads import narrow_gram_trials, run_spans, sized_threads, small_product_trials, threads_for
 from ._workspace import recycled_array
 
 __all__ = [
@@ -90,6 +90,26 @@ def _check_output(name, A, ndim):
             f"{name} must be C- or Fortran-contiguous (it is updated in place), "
             f"got strides {A.strides} for shape {A.shape}"
         )
+
+
+def _check_disjoint(out_name, out, **inputs):
+    """Refuse an output that shares memory with an input it is computed from (it would read half-written values)."""
+    for name, A in inputs.items():
+        if isinstance(A, np.ndarray) and np.may_share_memory(out, A):
+            try:
+                overlap = np.shares_memory(out, A, max_work=100_000)
+            except np.exceptions.TooHardError:  # pragma: no cover - views too intricate to tell apart
+                overlap = True
+            if overlap:
+                raise ValueError(f"{out_name} shares memory with {name}: {out_name} is written while {name} is "
+                                 f"read, which would give a wrong result; pass a copy of {name}")
+
+
+def _check_accumulated(name, A, what):
+    """After an in-place float32 accumulation: raise when it overflowed (``A`` holds Inf)."""
+    if A.dtype == np.float32 and not np.isfinite(A).all():
+        raise ValueError(f"{name} overflowed float32 while adding {what} (its previous values plus the update "
+                         f"exceed {np.finfo(np.float32).max:.3g}); accumulate into a float64 {name}")
 
 
 def _as_input(A):
@@ -180,6 +200,7 @@ def gram_update(G, X, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
         raise ValueError(f"G must have shape (d, d) = ({d}, {d}) to match X of shape {X.shape}, got {G.shape}")
     mixed = _check_pair_dtypes("G", G, "X", X)
     block_rows = _check_count("block_rows", block_rows)
+    _check_disjoint("G", G, X=X)
     if X.shape[0] == 0 or d == 0:
         return G
     X = _as_input(X)
@@ -197,10 +218,14 @@ def gram_update(G, X, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
                 f"X contains NaN or Inf (or values whose squares overflow {X.dtype}); expected finite values"
             )
         _kernels.add_upper(G, T)
+        if check_finite and G.dtype == np.float32:
+            _check_accumulated("G", G.diagonal(), "X^T X")  # G + X^T X is PSD when G is: its diagonal bounds it
         return G
     if check_finite:
         _check_gram_input(X, min(n, block_rows) if mixed else n)
     _gram_into(G, X, mixed, block_rows)
+    if check_finite and G.dtype == np.float32:
+        _check_accumulated("G", G.diagonal(), "X^T X")
     return G
 
 
@@ -299,6 +324,22 @@ def _gram_into(G, X, mixed, block_rows):
         narrow_gram_trials.record(trial, time.perf_counter() - start, flops)
 
 
+# Products (gemm: X^T Z, X W) of less work are timed at first use as narrow Grams are.
+# With the 1e4 rule two threads lost 15-22 % to one at 2e6-4e6 flops in float32 (X^T Z
+# of 33-65 columns of 256 rows, X W of 64 rows of 129) and at 3.8e7 in float64 (X^T Z of
+# 64 rows of 2,305) on 8 of 8 runs, where earlier grids on other days measured two
+# threads 1.45-1.5x faster at the same sizes (docs/results/threads.md, "Small products
+# timed at first use"). Above this work two threads won on every grid.
+PRODUCT_TRIAL_FLOPS = 6.4e7
+
+
+def _product_plan(key, flops):
+    """(work for sized_threads, trial or None) of a product of ``flops`` work: timed below PRODUCT_TRIAL_FLOPS."""
+    if flops >= PRODUCT_TRIAL_FLOPS:
+        return flops, None
+    return small_product_trials.plan(key, flops)
+
+
 def cross_update(C, X, Z, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
     """C += X^T Z in place through BLAS gemm.
 
@@ -328,17 +369,26 @@ def cross_update(C, X, Z, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
         )
     mixed = _check_pair_dtypes("C", C, "X", X)
     block_rows = _check_count("block_rows", block_rows)
+    _check_disjoint("C", C, X=X, Z=Z)
     if X.shape[0] == 0 or C.size == 0:
         return C
     X, Z = _as_input(X), _as_input(Z)
     if check_finite:
         _check_cross_input(X, Z, min(X.shape[0], block_rows) if mixed else X.shape[0])
     layouts = (*_layout(C), X, *_layout(X), Z, *_layout(Z))
-    with sized_threads(2.0 * X.shape[0] * X.shape[1] * Z.shape[1]):
+    n, d = X.shape
+    flops = 2.0 * n * d * Z.shape[1]
+    work, trial = _product_plan(("cross", X.dtype.char, C.dtype.char, d, Z.shape[1], n.bit_length()), flops)
+    start = time.perf_counter()
+    with sized_threads(work):
         if mixed:
             _kernels.cross_mixed(C, *layouts, block_rows, DEFAULT_TILE)
         else:
             _kernels.cross_same(C, *layouts)
+    if trial is not None:
+        small_product_trials.record(trial, time.perf_counter() - start, flops)
+    if check_finite:
+        _check_accumulated("C", C, "X^T Z")
     return C
 
 
@@ -386,8 +436,16 @@ def matmul(X, W, *, out=None, check_finite=True):
     # BLAS reads X and W while it writes out: an out that overlaps them gets a product of half-overwritten
     # inputs, so it receives the product through a temporary instead (as NumPy's matmul does).
     target = np.empty_like(out) if np.may_share_memory(out, X) or np.may_share_memory(out, W) else out
-    with sized_threads(2.0 * n * X.shape[1] * m):
+    flops = 2.0 * n * X.shape[1] * m
+    work, trial = _product_plan(("matmul", X.dtype.char, X.shape[1], m, n.bit_length()), flops)
+    start = time.perf_counter()
+    with sized_threads(work):
         _kernels.matmul_same(target, *_layout(target), X, *_layout(X), W, *_layout(W))
+    if trial is not None:
+        small_product_trials.record(trial, time.perf_counter() - start, flops)
+    if check_finite and not np.isfinite(target).all():
+        raise ValueError(f"X W overflows {X.dtype}: finite X and W whose product exceeds "
+                         f"{np.finfo(X.dtype).max:.3g}; multiply in float64")
     if target is not out:
         out[...] = target
     return out
@@ -723,6 +781,7 @@ class ConvStats:
             raise ValueError(f"C must have shape ({d}, m), got {C.shape}")
         if G.dtype != C.dtype:
             raise TypeError(f"G and C must share a dtype, got {G.dtype} and {C.dtype}")
+        _check_disjoint("C", C, G=G)
         self.G, self.C = G, C
         self.image_shape = (H, W, channels)
         self.geometry = geometry
@@ -775,6 +834,8 @@ class ConvStats:
             kind = "per-image" if self.per_image_targets else "per-position"
             raise ValueError(f"targets must have shape {expected} ({kind} targets), got {targets.shape}")
         mixed = _check_pair_dtypes("G", self.G, "images", images)
+        for name, out in (("G", self.G), ("C", getattr(self, "_C_out", self.C))):
+            _check_disjoint(name, out, images=images, targets=targets)
         if self._dtype is not None and images.dtype != self._dtype:
             raise TypeError(f"images must keep the dtype of the first batch ({self._dtype}), got {images.dtype}")
         return mixed
@@ -1162,9 +1223,13 @@ def _check_solve(G, C, shift, shift_name, meaning, on_failure, overwrite_g, chec
     G = _check_system(G, C)
     shift = _check_positive(shift_name, shift, meaning)
     # A shift below the smallest normal number is lost in G's diagonal.
-    tiny = np.finfo(G.dtype).tiny
+    tiny, huge = float(np.finfo(G.dtype).tiny), float(np.finfo(G.dtype).max)  # Python floats: no cast of shift
     if shift < tiny:
         raise ValueError(f"{shift_name} must be at least {tiny:g} (the smallest normal {G.dtype}), got {shift!r}")
+    if shift > huge:
+        raise ValueError(f"{shift_name} must be at most {huge:g} (the largest {G.dtype}), got {shift!r}")
+    if overwrite_g:
+        _check_disjoint("G (overwrite_g=True)", G, C=C)
     if on_failure not in _ON_FAILURE:
         raise ValueError(f"on_failure must be one of {_ON_FAILURE}, got {on_failure!r}")
     if on_failure == "eigh" and overwrite_g:
@@ -1229,13 +1294,17 @@ def _spd_solve(G, rhs, shift, shift_name, overwrite_g, on_failure, what, prepare
 RHS_BASIS_TOLERANCE = 1e-4
 
 
+def _check_basis_shape(basis, m, name="C"):
+    """rhs_basis is a finite (k, m) array with k < m, ``m`` the columns of ``name``."""
+    _check_array("rhs_basis", basis, 2)
+    if basis.shape[1] != m or basis.shape[0] >= basis.shape[1]:
+        raise ValueError(f"rhs_basis must have shape (k, m) with k < m = {m} columns of {name}, got {basis.shape}")
+    _check_finite("rhs_basis", basis)
+
+
 def _basis_coordinates(name, A, basis, dtype):
     """B with A = B @ basis for a full-row-rank basis (k, m), checked: A must lie in its row space."""
-    _check_array("rhs_basis", basis, 2)
-    if basis.shape[1] != A.shape[1] or basis.shape[0] >= basis.shape[1]:
-        raise ValueError(f"rhs_basis must have shape (k, m) with k < m = {A.shape[1]} columns of {name}, "
-                         f"got {basis.shape}")
-    _check_finite("rhs_basis", basis)
+    _check_basis_shape(basis, A.shape[1], name)
     Q = np.asarray(basis, dtype=dtype)
     # B = A Q^+ with Q^+ = Q^T (Q Q^T)^-1: k x k normal equations, well posed for a full-row-rank Q.
     # Products on SciPy's BLAS (matmul), as everywhere next to a solve (see _dual_rest).
@@ -1309,6 +1378,8 @@ def ridge_solve(G, C, gamma, *, overwrite_g=False, overwrite_c=False, on_failure
     if rhs_basis is not None:
         B, Q = _basis_coordinates("C", C, rhs_basis, G.dtype)
         return _expand(_spd_solve(G, B, gamma, "gamma", overwrite_g, on_failure, "ridge_solve"), Q)
+    if overwrite_c:
+        _check_disjoint("C (overwrite_c=True)", C, G=G)
     rhs = _working_rhs(C, overwrite_c)
     return _spd_solve(G, rhs, gamma, "gamma", overwrite_g, on_failure, "ridge_solve")
 
@@ -1335,12 +1406,23 @@ def proximal_solve(G, C, eps, M, *, overwrite_g=False, overwrite_c=False, on_fai
     -------
     W : ndarray of shape (d, m), Fortran-ordered, dtype of G
     """
+    _check_system(G, C)
     _check_array("M", M, 2)
     if M.shape != C.shape:
         raise ValueError(f"M must have the shape of C {C.shape}, got {M.shape}")
+    if M.dtype not in _FLOATS or (M.dtype == np.float64 and G.dtype == np.float32):
+        raise TypeError(f"M must be float32 or float64 and not wider than G ({G.dtype}): the solve runs in G's "
+                        f"dtype; got M of dtype {M.dtype}")
     G, eps = _check_solve(G, C, eps, "eps", "the proximal weight", on_failure, overwrite_g, check_finite)
+    if overwrite_g:
+        _check_disjoint("G (overwrite_g=True)", G, M=M)
+    if overwrite_c:
+        _check_disjoint("C (overwrite_c=True)", C, G=G, M=M)
     if check_finite:
         _check_finite("M", _as_input(M))
+        if C.size and float(np.abs(C).max()) + eps * float(np.abs(M).max()) > float(np.finfo(G.dtype).max):
+            raise ValueError(f"C + eps M overflows {G.dtype} (max |C| {float(np.abs(C).max()):.3g}, eps "
+                             f"{eps:.3g}, max |M| {float(np.abs(M).max()):.3g}); solve in float64")
     if rhs_basis is not None:
         rhs = _working_rhs(C, False)
         rhs += eps * M
@@ -1423,7 +1505,8 @@ def proximal_solve_dual(X, Z, eps, M, *, block_rows=DEFAULT_BLOCK_ROWS, check_fi
         M, _ = _basis_coordinates("M", M, rhs_basis, dtype)
         M = np.ascontiguousarray(M)
     K = np.zeros((n, n), dtype=dtype)
-    gram_update(K, X.T, block_rows=block_rows, check_finite=False)   # X X^T, upper triangle
+    # X X^T, upper triangle; checked for overflow (X itself was checked above).
+    gram_update(K, X.T, block_rows=block_rows, check_finite=check_finite)
     with sized_threads(4.0 * n * d * M.shape[1]):
         return _dual_rest(X, Z, M, Q, K, eps, d, dtype)
 

@@ -20,8 +20,8 @@ import scipy.linalg
 import scipy.optimize
 
 from . import _kernels
-from ._core import (_basis_coordinates, _check_array, _check_finite, _check_finite_upper, _check_system, gram_update,
-                    matmul, symmetrize)
+from ._core import (_basis_coordinates, _check_array, _check_basis_shape, _check_finite, _check_finite_upper,
+                    _check_system, gram_update, matmul, symmetrize)
 from ._threads import sized_threads
 
 __all__ = ["RidgePath", "DEFAULT_GRID"]
@@ -122,6 +122,10 @@ class RidgePath:
         _check_finite("C", C)
         zz = _check_real("zz", zz, "tr(Z^T Z), the targets' sum of squares", minimum=0.0)
         n = _check_rows(n)
+        # Every argument is checked before the band route may overwrite G.
+        M = None if center is None else _check_center(center, C.shape)
+        if rhs_basis is not None:
+            _check_basis_shape(rhs_basis, C.shape[1])
         C64 = np.asarray(C, dtype=np.float64)
         G64 = np.asarray(G, dtype=np.float64)
         # d = 0 has no band to reduce: its path (one value per shift) is the eigh route's.
@@ -129,14 +133,11 @@ class RidgePath:
         # The band route works on both triangles of a float64 copy, or of G itself when allowed.
         full = _full_symmetric(G64, inplace=(overwrite_g and G64.flags.writeable) or G64 is not G) \
             if banded else None
-        if center is not None:
-            M = _check_center(center, C.shape)
+        if M is not None:
             # R = Z - X M: X^T R = C - G M, tr(R^T R) = tr(Z^T Z) - 2 tr(M^T C) + tr(M^T G M).
             GM = _dot(symmetrize(G64) if full is None else full, M)
             zz = zz - 2.0 * float(np.vdot(M, C64)) + float(np.vdot(M, GM))
             C64 = C64 - GM
-        else:
-            M = None
         C64, basis, M = _in_basis(C64, M, rhs_basis)
         if banded:
             return _BandPath(full, C64, max(zz, 0.0), n, M, basis, int(band))
@@ -173,7 +174,9 @@ class RidgePath:
         _check_finite("Z", Z)
         X64 = np.asarray(X, dtype=np.float64)
         R = np.asarray(Z, dtype=np.float64)
-        m = R.shape[1] if rhs_basis is None else np.shape(rhs_basis)[1]
+        if rhs_basis is not None:
+            _check_array("rhs_basis", rhs_basis, 2)
+        m = R.shape[1] if rhs_basis is None else rhs_basis.shape[1]
         M = None if center is None else _check_center(center, (X.shape[1], m))
         basis = None
         if rhs_basis is not None:

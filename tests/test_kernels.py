@@ -862,6 +862,48 @@ def test_matmul_into_one_of_its_inputs_gives_the_product(rng, dtype, alias):
     assert_close(out, expected, dtype, 64)
 
 
+def test_outputs_that_share_memory_with_their_inputs_are_refused_untouched(rng):
+    """Unlike matmul (which multiplies through a temporary), in-place updates and solves refuse an aliased output."""
+    X = random(rng, (64, 64), np.float64)
+    Z = random(rng, (64, 8), np.float64)
+    cases = [
+        ("G shares memory with X", lambda: fastls.gram_update(X, X)),
+        ("G shares memory with X", lambda: fastls.gram_update(X.reshape(-1)[:256].reshape(16, 16), X[:, :16])),
+        ("C shares memory with X", lambda: fastls.cross_update(X, X, X)),
+        ("C shares memory with Z", lambda: fastls.cross_update(Z[:8], X[:, :8], Z)),
+        ("C shares memory with G", lambda: fastls.conv_gram_update(X.reshape(-1)[:100].reshape(10, 10),
+                                                                   X.reshape(-1)[90:110].reshape(10, 2),
+                                                                   random(rng, (2, 4, 4, 1), np.float64),
+                                                                   random(rng, (2, 2), np.float64), 3,
+                                                                   append_ones=True)),
+    ]
+    G = np.asfortranarray(spd_system(rng, 30, 8, 8, np.float64)[0])
+    cases += [
+        (r"G \(overwrite_g=True\) shares memory with C", lambda: fastls.ridge_solve(G, G, 1.0, overwrite_g=True)),
+        (r"C \(overwrite_c=True\) shares memory with G", lambda: fastls.ridge_solve(G, G, 1.0, overwrite_c=True)),
+        (r"G \(overwrite_g=True\) shares memory with M",
+         lambda: fastls.proximal_solve(G, np.ones((8, 8)), 1.0, G, overwrite_g=True)),
+    ]
+    images = random(rng, (2, 5, 5, 1), np.float64)
+    out = np.zeros((2, 3, 3, 1))
+    cases.append(("out shares memory with W", lambda: fastls.conv2d(images, out.reshape(-1, 1)[:9], 3, out=out)))
+    for message, call in cases:
+        before = (X.copy(), Z.copy(), G.copy(), out.copy())
+        with pytest.raises(ValueError, match=message + ".*pass a copy"):
+            call()
+        for kept, was in zip((X, Z, G, out), before):
+            np.testing.assert_array_equal(kept, was)
+    # Disjoint views of one buffer are not an overlap.
+    buffer = np.zeros(16 * 8 + 64 * 16)
+    C, rows = buffer[:128].reshape(16, 8), buffer[128:].reshape(64, 16)
+    rows[...] = X[:, :16]
+    fastls.cross_update(C, rows, Z)
+    assert_close(C, X[:, :16].T @ Z, np.float64, 64)
+    # Without an overwrite flag the solves work on copies: an aliased C is fine.
+    full = np.triu(G) + np.triu(G, 1).T
+    assert_close(fastls.ridge_solve(G, G, 1.0), np.linalg.solve(full + np.eye(8), G), np.float64, 8)
+
+
 @pytest.mark.parametrize("g_dtype", [np.float32, np.float64])
 def test_float32_products_that_overflow_are_refused_and_leave_the_sums(rng, g_dtype):
     X = random(rng, (8, 2), np.float32)
@@ -896,6 +938,50 @@ def test_float32_products_that_overflow_are_refused_and_leave_the_sums(rng, g_dt
             fastls.conv_gram_update(G, C, images, random(rng, (2, 2), np.float32), 3, append_ones=True,
                                     method=method)
     np.testing.assert_array_equal(G, G_before)
+
+
+def test_float32_results_that_overflow_are_refused(rng):
+    """Finite float32 inputs whose product, accumulated sum or solve overflows float32 raise, never return Inf."""
+    huge = np.full((2, 3), 1e20, np.float32)
+    with pytest.raises(ValueError, match="X W overflows float32"):
+        fastls.matmul(huge, huge.T)
+    assert np.isinf(fastls.matmul(huge, huge.T, check_finite=False)).all()  # unchecked: the caller's choice
+    # Sums that overflow only with what the accumulator already holds.
+    X = np.full((3, 2), 1e19, np.float32)
+    with pytest.raises(ValueError, match=r"G overflowed float32 while adding X\^T X.*float64 G"):
+        fastls.gram_update(np.full((2, 2), 3e38, np.float32), X)
+    with pytest.raises(ValueError, match=r"C overflowed float32 while adding X\^T Z.*float64 C"):
+        fastls.cross_update(np.full((2, 2), 3e38, np.float32), X, X)
+    G64 = np.full((2, 2), 3e38)  # a float64 accumulator holds the same sums
+    fastls.gram_update(G64, X)
+    np.testing.assert_allclose(np.triu(G64), np.triu(np.full((2, 2), 6e38)), rtol=1e-6)  # upper triangle
+    # The solves: C + eps M, and the dual's X X^T.
+    G, C = np.eye(3, dtype=np.float32), np.ones((3, 1), np.float32)
+    M = np.full((3, 1), 0.5, np.float32)
+    C_before = C.copy()
+    with pytest.raises(ValueError, match=r"C \+ eps M overflows float32"):
+        fastls.proximal_solve(G, C, 1e38, np.full((3, 1), 1e10, np.float32), overwrite_c=True)
+    np.testing.assert_array_equal(C, C_before)
+    with pytest.raises(ValueError, match=r"gamma must be at most 3.40282e\+38"):
+        fastls.ridge_solve(G, C, 1e300)
+    with pytest.raises(ValueError, match=r"eps must be at most 3.40282e\+38"):
+        fastls.proximal_solve(G, C, 1e39, M)
+    X = np.full((3, 5), 1e19, np.float32)
+    X[1] *= -1
+    with pytest.raises(ValueError, match="overflow float32"):
+        fastls.proximal_solve_dual(X, np.ones((3, 2), np.float32), 1e38, np.zeros((5, 2), np.float32))
+
+
+def test_proximal_solve_names_the_argument_that_is_wrong(rng):
+    G, M = np.eye(3), np.ones((3, 2))
+    with pytest.raises(TypeError, match="C must be a NumPy array, got list"):
+        fastls.proximal_solve(G, [[1.0, 2.0]] * 3, 1.0, M)
+    with pytest.raises(ValueError, match="C must be 2-dimensional"):
+        fastls.proximal_solve(G, np.ones(3), 1.0, M)
+    with pytest.raises(TypeError, match=r"M must be float32 or float64 and not wider than G \(float32\)"):
+        fastls.proximal_solve(G.astype(np.float32), np.ones((3, 2), np.float32), 1.0, M)
+    # float32 M with float64 G widens exactly: accepted.
+    np.testing.assert_allclose(fastls.proximal_solve(G, np.zeros((3, 2)), 1.0, M.astype(np.float32)), 0.5 * M)
 
 
 def test_a_failed_proximal_solve_leaves_the_right_hand_side_it_was_to_overwrite(rng):

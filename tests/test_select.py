@@ -315,6 +315,16 @@ def test_band_route_refuses_bad_input_and_scores_unfactorable_shifts_inf():
         fastls.RidgePath.from_statistics(G, C, 1.0, 60, method="svd")
     with pytest.raises(ValueError, match="band must be an int >= 1"):
         fastls.RidgePath.from_statistics(G, C, 1.0, 60, method="band", band=0)
+    # A wrong center or basis is refused before the band route may overwrite G.
+    G_before = G.copy()
+    with pytest.raises(ValueError, match="center must have shape"):
+        fastls.RidgePath.from_statistics(G, C, 1.0, 60, method="band", overwrite_g=True, center=np.zeros((9, 3)))
+    with pytest.raises(ValueError, match="rhs_basis must have shape \\(k, m\\) with k < m"):
+        fastls.RidgePath.from_statistics(G, C, 1.0, 60, method="band", overwrite_g=True,
+                                         rhs_basis=np.ones((C.shape[1] + 1, C.shape[1])))
+    np.testing.assert_array_equal(G, G_before)
+    with pytest.raises(ValueError, match="rhs_basis must be 2-dimensional"):
+        fastls.RidgePath.from_rows(X, Z, rhs_basis=np.ones(3))
     # Not a Gram matrix: G + a I is indefinite for small shifts.
     indefinite = G - 2.0 * np.linalg.eigvalsh(G)[-1] * np.eye(10)
     path = fastls.RidgePath.from_statistics(indefinite, C, 1.0, 60, method="band", band=3)
