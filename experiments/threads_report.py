@@ -55,17 +55,6 @@ def per_call(call, budget):
     return (time.perf_counter() - start) / calls
 
 
-def trial_key(kind, dtype, d, rows):
-    """The key under which fastls.thread_trials() lists a grid case's timed choice (None for solves)."""
-    if kind == "gram":
-        return dtype.char, d, rows.bit_length()
-    if kind == "cross":
-        return "cross", dtype.char, dtype.char, d, THREAD_COLUMNS, rows.bit_length()
-    if kind == "matmul":
-        return "matmul", dtype.char, d, THREAD_COLUMNS, rows.bit_length()
-    return (None,)
-
-
 def measure(call, flops_per_thread, repeat, budget, times=None):
     """Per setting, the list of per-call times of ``repeat`` interleaved runs (appended to ``times`` if given)."""
     times = times if times is not None else {name: [] for name in SETTINGS}
@@ -160,9 +149,9 @@ def main():
                         threads = fastls.threads_for(fastls._core._gram_thread_work(rows, d) if kind == "gram"
                                                      else flops)
                     fastls.set_flops_per_thread(previous)
-                    # Narrow Grams and small products run what their timed first calls chose.
-                    threads = fastls.thread_trials().get((*trial_key(kind, np.dtype(dtype), d, rows), threads),
-                                                         threads)
+                    if kind == "gram":  # narrow Grams run what their timed first calls chose
+                        threads = fastls.thread_trials().get((np.dtype(dtype).char, d, rows.bit_length(), threads),
+                                                             threads)
                     record = summarize({"kind": kind, "dtype": dtype, "d": d, "rows": rows, "flops": flops,
                                         "threads": threads, "runs": runs}, args.stat)
                     if ratio(record) > TARGET_RATIO and args.confirm:

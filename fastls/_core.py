@@ -29,7 +29,7 @@ import numpy as np
 import scipy.linalg
 
 from . import _kernels
-from ._threads import narrow_gram_trials, run_spans, sized_threads, small_product_trials, threads_for
+from ._threads import narrow_gram_trials, run_spans, sized_threads, threads_for
 from ._workspace import recycled_array
 
 __all__ = [
@@ -324,22 +324,6 @@ def _gram_into(G, X, mixed, block_rows):
         narrow_gram_trials.record(trial, time.perf_counter() - start, flops)
 
 
-# Products (gemm: X^T Z, X W) of less work are timed at first use as narrow Grams are.
-# With the 1e4 rule two threads lost 15-22 % to one at 2e6-4e6 flops in float32 (X^T Z
-# of 33-65 columns of 256 rows, X W of 64 rows of 129) and at 3.8e7 in float64 (X^T Z of
-# 64 rows of 2,305) on 8 of 8 runs, where earlier grids on other days measured two
-# threads 1.45-1.5x faster at the same sizes (docs/results/threads.md, "Small products
-# timed at first use"). Above this work two threads won on every grid.
-PRODUCT_TRIAL_FLOPS = 6.4e7
-
-
-def _product_plan(key, flops):
-    """(work for sized_threads, trial or None) of a product of ``flops`` work: timed below PRODUCT_TRIAL_FLOPS."""
-    if flops >= PRODUCT_TRIAL_FLOPS:
-        return flops, None
-    return small_product_trials.plan(key, flops)
-
-
 def cross_update(C, X, Z, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
     """C += X^T Z in place through BLAS gemm.
 
@@ -376,17 +360,11 @@ def cross_update(C, X, Z, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
     if check_finite:
         _check_cross_input(X, Z, min(X.shape[0], block_rows) if mixed else X.shape[0])
     layouts = (*_layout(C), X, *_layout(X), Z, *_layout(Z))
-    n, d = X.shape
-    flops = 2.0 * n * d * Z.shape[1]
-    work, trial = _product_plan(("cross", X.dtype.char, C.dtype.char, d, Z.shape[1], n.bit_length()), flops)
-    start = time.perf_counter()
-    with sized_threads(work):
+    with sized_threads(2.0 * X.shape[0] * X.shape[1] * Z.shape[1]):
         if mixed:
             _kernels.cross_mixed(C, *layouts, block_rows, DEFAULT_TILE)
         else:
             _kernels.cross_same(C, *layouts)
-    if trial is not None:
-        small_product_trials.record(trial, time.perf_counter() - start, flops)
     if check_finite:
         _check_accumulated("C", C, "X^T Z")
     return C
@@ -436,13 +414,8 @@ def matmul(X, W, *, out=None, check_finite=True):
     # BLAS reads X and W while it writes out: an out that overlaps them gets a product of half-overwritten
     # inputs, so it receives the product through a temporary instead (as NumPy's matmul does).
     target = np.empty_like(out) if np.may_share_memory(out, X) or np.may_share_memory(out, W) else out
-    flops = 2.0 * n * X.shape[1] * m
-    work, trial = _product_plan(("matmul", X.dtype.char, X.shape[1], m, n.bit_length()), flops)
-    start = time.perf_counter()
-    with sized_threads(work):
+    with sized_threads(2.0 * n * X.shape[1] * m):
         _kernels.matmul_same(target, *_layout(target), X, *_layout(X), W, *_layout(W))
-    if trial is not None:
-        small_product_trials.record(trial, time.perf_counter() - start, flops)
     if check_finite and not np.isfinite(target).all():
         raise ValueError(f"X W overflows {X.dtype}: finite X and W whose product exceeds "
                          f"{np.finfo(X.dtype).max:.3g}; multiply in float64")

@@ -241,24 +241,16 @@ class ThreadTrials:
 
 #: The timed choice of narrow Grams (see fastls._core.GRAM_MIN_THREADED_D).
 narrow_gram_trials = ThreadTrials()
-#: The timed choice of small products (see fastls._core.PRODUCT_TRIAL_FLOPS).
-small_product_trials = ThreadTrials()
 
 
 def thread_trials():
-    """What timing chose so far: {key + (threads tried,): threads chosen}.
-
-    Narrow Grams' keys are (dtype char, d, log2 rows); small products' are
-    ("cross", dtype char of X, of C, d, m, log2 rows) and ("matmul", dtype
-    char, d, m, log2 rows).
-    """
-    return {**narrow_gram_trials.choices(), **small_product_trials.choices()}
+    """What timing chose so far: {(dtype char, d, log2 rows, threads tried): threads chosen}, narrow Grams."""
+    return narrow_gram_trials.choices()
 
 
 def reset_thread_trials():
     """Forget the thread counts learned by timing (e.g. after moving to other cores)."""
     narrow_gram_trials.reset()
-    small_product_trials.reset()
 
 
 def run_spans(fn, spans):

@@ -259,60 +259,6 @@ def test_narrow_grams_time_both_thread_counts_then_keep_the_faster(rng, timed_na
     assert seen == [1, 1]
 
 
-def _small_product(kind, rng, dtype=np.float64, rows=256, d=33, m=128):
-    """(call, key of its trials, reference) of a product below PRODUCT_TRIAL_FLOPS that the 1e4 rule gives 2 threads."""
-    from fastls import _core
-
-    X, Z = rng.standard_normal((rows, d)).astype(dtype), rng.standard_normal((rows, m)).astype(dtype)
-    assert 2 * 1e4 <= 2.0 * rows * d * m < _core.PRODUCT_TRIAL_FLOPS
-    if kind == "cross":
-        C = np.zeros((d, m), dtype=dtype)
-        return ((lambda: fastls.cross_update(C, X, Z, check_finite=False)),
-                ("cross", X.dtype.char, C.dtype.char, d, m, rows.bit_length()), (lambda n: (C, n * X.T @ Z)))
-    W = Z[:d].T.copy().T  # (d, m), Fortran-ordered
-    out = np.empty((rows, m), dtype=dtype)
-    return ((lambda: fastls.matmul(X, W, out=out, check_finite=False)),
-            ("matmul", X.dtype.char, d, m, rows.bit_length()), (lambda n: (out, X @ W)))
-
-
-@pytest.mark.parametrize("kind, kernel", [("cross", "cross_same"), ("matmul", "matmul_same")])
-@pytest.mark.parametrize("one, two, faster", [(1.0, 1.5, 1), (1.5, 1.0, 2), (1.03, 1.0, 1)],
-                         ids=["one-thread-faster", "two-threads-faster", "near-tie-keeps-one"])
-def test_small_products_time_both_thread_counts_then_keep_the_faster(rng, timed_kernel, kind, kernel, one, two,
-                                                                    faster):
-    seen, seconds = timed_kernel(kernel)
-    seconds.update({1: one, 2: two})
-    call, key, result = _small_product(kind, rng)
-    with fastls.limit_cores(2):
-        for _ in range(10):
-            call()
-    block = fastls._threads.small_product_trials.trials + 1
-    assert seen == [1] * block + [2] * block + [faster] * (10 - 2 * block)
-    assert fastls.thread_trials() == {(*key, 2): faster}
-    got, expected = result(10)
-    assert_close(got, expected, np.float64, n_terms=10 * 256)
-    # Another kind (another width, dtype or power of two of rows) is timed afresh.
-    seen.clear()
-    with fastls.limit_cores(2):
-        _small_product(kind, rng, d=34)[0]()
-        _small_product(kind, rng, dtype=np.float32)[0]()
-        _small_product(kind, rng, rows=512)[0]()
-    assert seen == [1, 1, 1]
-
-
-def test_large_products_are_not_timed(rng, timed_kernel):
-    from fastls import _core
-
-    seen, seconds = timed_kernel("matmul_same")
-    seconds.update({1: 1.0, 2: 1.0})
-    rows = int(_core.PRODUCT_TRIAL_FLOPS // (2 * 64 * 128)) + 1
-    X, W = rng.standard_normal((rows, 64)), rng.standard_normal((64, 128))
-    with fastls.limit_cores(2):
-        fastls.matmul(X, W, check_finite=False)
-    assert seen == [2]
-    assert fastls.thread_trials() == {}
-
-
 def test_narrow_grams_are_not_timed_without_a_choice(rng, timed_narrow_grams):
     seen, seconds = timed_narrow_grams
     seconds.update({1: 1.0, 2: 1.0})
