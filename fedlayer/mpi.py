@@ -137,6 +137,7 @@ def rank_cores(comm):
 
 
 _marker_dir = None  # this host's folder of "rank ended for a reason fedlayer printed" markers
+_lifeline = None    # this rank's pipe, both ends open for its life (see watch_ranks)
 
 
 def watch_ranks(comm):
@@ -147,6 +148,13 @@ def watch_ranks(comm):
     :func:`rank_finished` when it ends in an orderly way (its error, if any,
     already printed), so that only a rank that dies unexplained is named.
     Nothing is started where Linux pidfds are missing.
+
+    Each rank also holds a pipe open for its whole life, its "lifeline": the
+    watcher opens the read end through /proc, and a rank's death closes the
+    write end in the kernel's first steps of its exit, before mpiexec, which
+    learns of the death from the same closing files, can kill the others.
+    The rank's pidfd, which signals only once its teardown is over, was
+    readable after those of the ranks mpiexec killed next in 15 of 15 trials.
     """
     import socket
     import subprocess
@@ -154,10 +162,12 @@ def watch_ranks(comm):
 
     from mpi4py import MPI
 
-    global _marker_dir
+    global _marker_dir, _lifeline
+    if _lifeline is None:
+        _lifeline = os.pipe()  # not inherited by the processes a rank starts
     host_comm = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        pairs = host_comm.gather((comm.Get_rank(), os.getpid()), root=0)
+        pairs = host_comm.gather((comm.Get_rank(), os.getpid(), _lifeline[0]), root=0)
         marker_dir = None
         if host_comm.Get_rank() == 0 and _pidfds_work():
             try:
@@ -165,7 +175,7 @@ def watch_ranks(comm):
                 watcher = Path(__file__).with_name("_rankwatch.py")
                 # A session of its own: mpiexec's cleanup, which kills the ranks, must not take the watcher along.
                 subprocess.Popen([sys.executable, str(watcher), marker_dir, socket.gethostname(),
-                                  *(f"{rank}:{pid}" for rank, pid in pairs)],
+                                  *(f"{rank}:{pid}:{fd}" for rank, pid, fd in pairs)],
                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
             except OSError as err:  # a diagnostic must not stop the job
                 print(f"fedlayer (MPI rank {comm.Get_rank()}): no watcher of dead ranks on this host ({err})",
@@ -319,11 +329,11 @@ class MPITransport(Transport):
         stopped otherwise).
     pack_upper : bool or None
         Send the entries a sum declares upper-triangular (the Gram matrices)
-        as their packed upper triangles. Off by
-        default (None reads ``FEDLAYER_MPI_PACK_UPPER``, default 0): measured
-        over shared memory on a 2-core machine, packing and unpacking
-        (~50 ms for d=4609) cost more than the halved transfer saves; it pays
-        on links slower than about 1.7 GB/s.
+        as their packed upper triangles: half the bytes. On by default (None
+        reads ``FEDLAYER_MPI_PACK_UPPER``, default 1; 0 sends the full
+        matrices): over shared memory on a 2-core machine the packed sums took
+        as long as the full ones (2026-11-29, ``experiments/mpi_pack.py``),
+        and over any slower link the halved transfer is the gain.
     chunk_bytes : int
         Largest single MPI message (default 2**30).
     """
@@ -334,7 +344,7 @@ class MPITransport(Transport):
         self.comm = comm
         self.deadline_s = float(deadline_s)
         if pack_upper is None:
-            pack_upper = os.environ.get("FEDLAYER_MPI_PACK_UPPER", "0") not in ("", "0")
+            pack_upper = os.environ.get("FEDLAYER_MPI_PACK_UPPER", "1") not in ("", "0")
         self.pack_upper = bool(pack_upper)
         self.chunk = int(chunk_bytes or _chunk_bytes())
         self.workers = list(range(1, comm.Get_size()))

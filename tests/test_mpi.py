@@ -55,8 +55,8 @@ def _models(out):
 
 @pytest.mark.parametrize("algorithm,extra_env,flags", [
     ("fedacnnl", {}, []),
-    # packed upper triangle of G and 4 KiB chunks: the same numbers must come out
-    ("pfedacnnl", {"FEDLAYER_MPI_PACK_UPPER": "1", "FEDLAYER_MPI_CHUNK_BYTES": "4096"}, []),
+    # full G instead of its packed upper triangle (the default), and 4 KiB chunks: the same numbers must come out
+    ("pfedacnnl", {"FEDLAYER_MPI_PACK_UPPER": "0", "FEDLAYER_MPI_CHUNK_BYTES": "4096"}, []),
     # seeded dropouts: the same clients drop on their ranks as in process
     ("fedacnnl", {}, ["--drop-clients", "0.25"]),
     # secure sums with dropouts: exact integer sums, so the same numbers as the secure run in process
@@ -246,6 +246,15 @@ def test_a_bad_flag_is_reported_once_not_once_per_rank():
     assert proc.stderr.count("fedlayer run: error: groups (K=10) cannot exceed the number of clients (6)") == 1
 
 
+def test_bad_input_found_after_the_ranks_started_exits_2_as_in_process(tmp_path):
+    """rank 0 finds --output naming a file once every rank is up: the job's status is still bad input's, 2."""
+    taken = tmp_path / "afile"
+    taken.write_text("")
+    proc = mpirun(["--clients", "6", "--groups", "3", "--quiet", "--output", str(taken)], timeout=60)
+    assert proc.returncode == 2, proc.stderr[-3000:]  # the ranks' statuses are ORed: workers at 1 made it 3
+    assert proc.stderr.count(f"output {str(taken)!r} is a file") == 1
+
+
 def test_a_client_that_fails_to_personalize_is_a_dropout_of_that_round(tmp_path):
     proc = mpirun(["--algorithm", "pfedacnnl", *SMALL, "--quiet", "--output", str(tmp_path)], timeout=90,
                   FEDLAYER_TEST_FAIL_STEP="personalize:3:1")
@@ -325,6 +334,36 @@ def test_dead_rank_is_named():
     # Named alone, or with the ranks the launcher killed while it was still exiting ("ended together").
     assert f"rank 2 (pid {victim}" in stderr, stderr[-3000:]
     assert stderr.count("without an error of their own") == 1  # the ranks mpiexec stopped afterwards are not named
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="lifelines are opened through /proc/PID/fd (Linux)")
+def test_the_watcher_names_a_process_whose_lifeline_closes(tmp_path):
+    """The watcher script on a stand-in rank: its lifeline pipe, opened through /proc, reports the kill."""
+    import select
+
+    from fedlayer import _rankwatch
+
+    rank = subprocess.Popen([sys.executable, "-c", "import os, time; r, w = os.pipe(); print(r, flush=True); "
+                             "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        fd_number = int(rank.stdout.readline())
+        lifeline = _rankwatch._open_lifeline(rank.pid, fd_number)
+        assert lifeline is not None
+        poller = select.poll()
+        poller.register(lifeline, select.POLLIN)
+        assert poller.poll(0) == []  # open while the rank lives
+        watcher = subprocess.Popen([sys.executable, _rankwatch.__file__, str(tmp_path / "markers"), "testhost",
+                                    f"7:{rank.pid}:{fd_number}"], stderr=subprocess.PIPE, text=True)
+        time.sleep(1.0)  # the watcher opens its handles
+        rank.kill()
+        assert poller.poll(10_000), "the lifeline did not report the kill"
+        _, stderr = watcher.communicate(timeout=30)
+        os.close(lifeline)
+    finally:
+        rank.kill()
+        rank.wait()
+    assert f"MPI rank 7 (pid {rank.pid}" in stderr and "on testhost ended at" in stderr, stderr
+    assert _rankwatch._open_lifeline(rank.pid, fd_number) is None  # gone: nothing to open
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the watcher reads /proc/PID/stat (Linux)")
