@@ -34,6 +34,10 @@ def main(argv=None):
     G = np.zeros((args.d, args.d))
     C = np.zeros((args.d, args.m))
     with fastls.limit_cores(args.threads):
+        # One small call of each kernel first: the first call of a process pays for loading LAPACK's and the
+        # thread pool's code (about 1 s for the first Cholesky here), which is not the kernels' speed.
+        fastls.ridge_solve(np.eye(args.d), np.ones((args.d, args.m)), args.gamma)
+        np.linalg.solve(np.eye(args.d) + args.gamma * np.eye(args.d), np.ones((args.d, args.m)))
         start = time.perf_counter()
         for block in range(0, args.n, 10000):  # as clients would, one batch at a time
             fastls.gram_update(G, X[block:block + 10000])

@@ -11,6 +11,7 @@ all of them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from pathlib import Path
@@ -81,6 +82,10 @@ class Algorithm:
     def check_config(self, config):
         """Raise ValueError for settings this algorithm cannot run with."""
 
+    def ignored_options(self, config):
+        """Notes (str) on settings ``config`` changes from their defaults that this algorithm never reads."""
+        return []
+
     def make_client(self, cid, data, config, n_classes, model_config, cores):
         """The client object for client ``cid`` holding ``data``."""
         raise NotImplementedError
@@ -88,6 +93,22 @@ class Algorithm:
     def train(self, config, transport, model, clock, progress):
         """Train over ``transport``; returns an :class:`Outcome`."""
         raise NotImplementedError
+
+
+def _changed(config, keys):
+    """The keys among ``keys`` that ``config`` sets away from their defaults."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    return [key for key in keys if getattr(config, key) != defaults[key]]
+
+
+def _ignored(config, name, keys, applies_to):
+    """A note naming the options set for ``name`` that it never reads, or None."""
+    changed = _changed(config, keys)
+    if not changed:
+        return None
+    one = len(changed) == 1
+    return (f"{', '.join(changed)} appl{'ies' if one else 'y'} to {applies_to}; {name!r} ignores "
+            f"{'it' if one else 'them'}")
 
 
 class AnalyticAlgorithm(Algorithm):
@@ -112,6 +133,17 @@ class AnalyticAlgorithm(Algorithm):
                     == (self.variant.adaptive, self.variant.cluster)):
                 return name
         return self.name
+
+    def ignored_options(self, config):
+        """Notes on the options ``config`` sets away from their defaults that this algorithm never reads."""
+        notes = []
+        if not self.variant.personalize:
+            notes.append(_ignored(config, self.name, ("eps", "eps_criterion"),
+                                  "the personalizing algorithms (pfedacnnl, pfedacnnl-wc)"))
+        if not self.variant.cluster:
+            notes.append(_ignored(config, self.name, ("groups", "gamma_scope", "h_noise"),
+                                  "the grouping algorithms (pfedacnnl, pfedacnnl-wp)"))
+        return [note for note in notes if note]
 
     def check_config(self, config):
         for key in ("hyper", "rounds"):
@@ -213,6 +245,13 @@ class BaselineAlgorithm(Algorithm):
     def __init__(self, name, summary):
         self.name, self.summary = name, summary
         self.personalized = name in PERSONALIZED
+
+    def ignored_options(self, config):
+        """Notes on the options ``config`` sets away from their defaults that this baseline never reads."""
+        note = _ignored(config, self.name, ("gamma", "gamma_output", "eps", "eps_criterion", "groups",
+                                            "gamma_scope", "min_group_size"),
+                        "the analytic methods (fedacnnl, pfedacnnl and their variants)")
+        return [note] if note else []
 
     def check_config(self, config):
         check_param("model", config.model, [Options(*MODEL_HIDDEN)])

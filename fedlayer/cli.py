@@ -166,22 +166,32 @@ def _regularization_lines(rounds):
 
 
 class _ProgressBar:
-    """tqdm bar whose total is set when the run announces its number of rounds (so it shows an ETA)."""
+    """tqdm bar drawn once the run announces its number of rounds (so it shows an ETA).
+
+    Not before: a run refused while it loads its data prints its one error
+    line without an empty bar in front of it.
+    """
 
     def __init__(self, description):
-        from tqdm import tqdm
-
-        self.bar = tqdm(desc=description, unit="round", file=sys.stderr)
+        self.description, self.bar = description, None
 
     def start(self, total):
-        self.bar.reset(total=total)
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(desc=self.description, unit="round", file=sys.stderr, total=total)
+        else:
+            self.bar.reset(total=total)
 
     def __call__(self, message):
+        if self.bar is None:
+            self.start(None)
         self.bar.update(1)
         self.bar.set_postfix_str(message)
 
     def close(self):
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def cmd_run(args):
@@ -199,6 +209,10 @@ def cmd_run(args):
         if comm is not None and comm.Get_rank() > 0:
             return 2  # every rank read the same flags: rank 0 alone says what was wrong
         raise
+    if not args.quiet and (comm is None or comm.Get_rank() == 0):
+        # Options a sweep sets for every algorithm are not errors; a silent no-op would still mislead.
+        for note in ALGORITHMS[config.algorithm].ignored_options(config):
+            print(f"fedlayer run: note: {note}", file=sys.stderr)
     share = None
     if comm is not None:
         mpi.watch_ranks(comm)
@@ -227,7 +241,9 @@ def cmd_run(args):
             results = run(config, transport=transport, progress=bar)
     except BaseException as err:
         if transport is not None:
-            transport.close(status=1)  # stops the workers (aborts the job if a rank hangs)
+            # Stops the workers (aborts the job if a rank hangs). They exit with rank 0's own status: mpiexec
+            # ORs the ranks' statuses, so bad input (2 here) with workers at 1 came out as 3.
+            transport.close(status=2 if isinstance(err, (ValueError, OSError)) else 1)
         if isinstance(err, KeyboardInterrupt):
             if bar is not None:
                 bar.close()
@@ -245,6 +261,9 @@ def cmd_run(args):
         if config.output:
             print(f"results and models written to {config.output}/ (plots: fedlayer plot "
                   f"{Path(config.output) / 'results.json'})")
+        elif config.checkpoint and Path(config.checkpoint).exists():
+            print(f"only the checkpoint {config.checkpoint} was written: add --output DIR to keep results.json and "
+                  "the trained models")
         else:
             print("nothing was written to disk: add --output DIR to keep results.json and the trained models")
     return 0
@@ -286,11 +305,28 @@ def _load_models(path):
     else:
         raise ValueError(f"{path}: no such model file or directory")
     # Model.load names a damaged or foreign file itself (ValueError); an unreadable one stays an OSError.
-    return [(file, *Model.load(file)) for file in files]
+    models = [(file, *Model.load(file)) for file in files]
+    for file, model, _ in models:  # a model file may hold untrained layers (Model.save allows it); scoring may not
+        missing = [i for i in model.trainable if model.layers[i].weights is None]
+        if missing:
+            raise ValueError(f"{file}: no weights stored for layer(s) {missing} of its model (a damaged file, or "
+                             f"one saved before those layers were trained)")
+        broken = [i for i in model.trainable if not np.isfinite(model.layers[i].weights).all()]
+        if broken:
+            raise ValueError(f"{file}: the weights of layer(s) {broken} hold NaN or Inf (a damaged file, or a model "
+                             f"saved from a run that diverged)")
+    return models
 
 
 def _predict_split(models, args):
-    """The split the models are scored on: the one saved with them, flags overriding where that means something."""
+    """The split the models are scored on: the one saved with them.
+
+    ``--dataset``/``--clients``/``--seed`` only name the split of model files
+    that record none. Another split of a saved one would score training
+    images: every split pools a dataset's images and deals them out again,
+    so another seed or client count puts images this model was fitted on
+    into the test sets (and on Synthetic another seed draws another task).
+    """
     saved = [m.get("split") for _, _, m in models]
     if any(s != saved[0] for s in saved):
         raise ValueError("the model files were trained on different splits; score them one at a time")
@@ -298,12 +334,12 @@ def _predict_split(models, args):
     for key, value in (("dataset", args.dataset), ("clients", args.clients), ("seed", args.seed)):
         if value is None or value == split[key]:
             continue
-        for file, _, metadata in models:
-            if metadata.get("clients") is not None and len(metadata["clients"]) != split["clients"]:
-                raise ValueError(
-                    f"{file.name} was trained for {len(metadata['clients'])} of the {split['clients']} clients of "
-                    f"its saved split ({key}={split[key]!r}); --{key} {value} makes other clients: omit --{key} "
-                    f"to score it on its own clients")
+        if saved[0] is not None:
+            raise ValueError(
+                f"{models[0][0].name} was trained on the split with {key}={split[key]!r}; on {key}={value!r} its "
+                f"test sets would hold images it was trained on (every split deals out all of the dataset's "
+                f"images{', and on Synthetic another seed is another task' if split['dataset'] == 'synthetic' else ''}"
+                f"): omit --{key}")
         split[key] = value
     return split
 
@@ -334,7 +370,7 @@ def cmd_predict(args):
     correct = total = 0
     scored = []
     for file, model, metadata in models:
-        # A global model on another split (_predict_split allows no other kind) scores all of its clients.
+        # A model of no saved split (or a centralized one) scores every client of the split.
         clients = (metadata.get("clients") if split == saved else None) or list(range(len(dataset.clients)))
         outside = [cid for cid in clients if not 0 <= cid < len(dataset.clients)]
         if outside:
@@ -366,24 +402,28 @@ class _Parser(argparse.ArgumentParser):
 def main(argv=None):
     parser = _Parser(prog="fedlayer", description="Analytic federated learning: FedACnnL and pFedACnnL")
     sub = parser.add_subparsers(dest="command", required=True)
-    _run_parser(sub)
-    p = sub.add_parser("plot", help="PNG plots of a results.json")
+    commands = {"run": _run_parser(sub)}
+    p = commands["plot"] = sub.add_parser("plot", help="PNG plots of a results.json")
     p.add_argument("results")
     p.add_argument("--out", help="output directory (default: beside the results)")
-    p = sub.add_parser("predict", help="accuracy of saved models on the local test splits they were trained for",
+    p = commands["predict"] = sub.add_parser("predict",
+                                             help="accuracy of saved models on the local test splits they were "
+                                                  "trained for",
                        description="Score a model file (model.npz, model_groupK.npz) or a directory of them (the "
                                    "run's output for the group models, OUTPUT/personalized for pFedACnnL's "
                                    "per-client models) on the split saved with them; each group or client model "
                                    "is scored on its own clients only.")
     p.add_argument("model", help="a model .npz file or a directory of them")
     p.add_argument("--dataset", choices=CONFIG_CONSTRAINTS["dataset"][0].values, default=None,
-                   help="score a global model on another dataset (default: the saved one)")
+                   help="the dataset, for model files that record no split (default: the saved one)")
     p.add_argument("--clients", type=_flag_type(CONFIG_CONSTRAINTS["clients"], "clients"), default=None,
-                   help="another number of clients (global models only; default: the saved one)")
+                   help="the number of clients, for model files that record no split (default: the saved one)")
     p.add_argument("--seed", type=_flag_type(CONFIG_CONSTRAINTS["seed"], "seed"), default=None,
-                   help="another split seed (global models only; default: the saved one)")
+                   help="the split seed, for model files that record no split (default: the saved one)")
     p.add_argument("--data-dir", default=None)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the subcommand's parser, whose --help lists its options
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     from .baselines.server import Diverged
     from .federated import AllClientsDropped
     from .secure import SecureAggregationError

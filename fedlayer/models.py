@@ -1260,7 +1260,10 @@ class Model:
                 i = int(name[len("weights_"):])
                 if i not in model.trainable:
                     raise ValueError(f"{path}: weights stored for layer {i}, which is not trainable")
-                model.layers[i].set_weights(data[name])
+                try:
+                    model.layers[i].set_weights(data[name])
+                except (TypeError, ValueError) as err:
+                    raise ValueError(f"{path}: {err}") from None
         return model, metadata
 
     def __repr__(self):

@@ -20,6 +20,8 @@ def plot_results(results_path, out_dir=None):
     results_path = Path(results_path)
     results = _read_results(results_path)
     out = Path(out_dir) if out_dir else results_path.parent
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a directory (created if missing)")
     out.mkdir(parents=True, exist_ok=True)
     cfg = results["config"]
     title = f"{cfg['algorithm']}: {cfg['dataset']}, {cfg['model']} model, {results['n_clients']} clients"
@@ -76,18 +78,59 @@ def plot_results(results_path, out_dir=None):
 
 
 def _read_results(path):
-    """The parsed results.json, or ValueError naming the file and what it lacks."""
-    with open(path) as f:
-        try:
+    """The parsed results.json, or ValueError naming the file and the first thing it lacks or holds wrongly."""
+    try:
+        with open(path) as f:
             results = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path} is not a fedlayer results.json: not JSON ({err})") from None
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read it ({err.strerror or err})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not a fedlayer results.json: not JSON ({err})") from None
     needed = ("config", "n_clients", "rounds")
     missing = [key for key in needed if key not in results] if isinstance(results, dict) else list(needed)
     if missing:
         raise ValueError(f"{path} is not a fedlayer results.json: it lacks {missing} "
                          f"(expected the file `fedlayer run --output DIR` writes as DIR/results.json)")
+    problem = _results_problem(results)
+    if problem:
+        raise ValueError(f"{path} is not a fedlayer results.json as `fedlayer run` writes it: {problem}")
     return results
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _results_problem(results):
+    """What in a results.json the plots cannot read (None when nothing): checked before any file is written."""
+    config = results["config"]
+    if not isinstance(config, dict) or not all(isinstance(config.get(k), str) for k in ("algorithm", "dataset",
+                                                                                          "model")):
+        return "config must hold the strings algorithm, dataset and model"
+    if not isinstance(results["n_clients"], int) or isinstance(results["n_clients"], bool):
+        return f"n_clients must be an integer, got {results['n_clients']!r}"
+    rounds = results["rounds"]
+    if not isinstance(rounds, dict):
+        return f"rounds must map round numbers to records, got {type(rounds).__name__}"
+    for key, record in rounds.items():
+        where = f"round {key!r}"
+        if not key.isdigit() or not isinstance(record, dict):
+            return f"{where}: expected a round number mapping to a record"
+        accuracy, layer = record.get("accuracy"), record.get("layer")
+        if accuracy is not None and not (_is_number(accuracy) and 0 <= accuracy <= 1):
+            return f"{where}: accuracy must be a fraction in [0, 1] or null, got {accuracy!r}"
+        if layer is not None and not (isinstance(layer, int) and not isinstance(layer, bool)):
+            return f"{where}: layer must be an integer or null, got {layer!r}"
+        if not isinstance(record.get("stage"), str):
+            return f"{where}: stage must be a string"
+        clients = record.get("clients")
+        if not isinstance(clients, dict):
+            return f"{where}: clients must map client ids to their times"
+        for cid, times in clients.items():
+            if not cid.isdigit() or not isinstance(times, dict) or not all(
+                    _is_number(times.get(part)) for part in ("compute_s", "idle_s", "comm_s")):
+                return f"{where}, client {cid!r}: expected compute_s, idle_s and comm_s in seconds"
+    return None
 
 
 def _plot_gcv(results, path, title, plt):

@@ -12,6 +12,7 @@ files they write) comes from :data:`fedlayer.algorithms.ALGORITHMS`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -289,9 +290,10 @@ def check_output_paths(config: RunConfig):
 
     Creates the output directory (and the checkpoint's) and writes a probe
     file in it, so a path naming a file, a read-only folder or a full disk is
-    reported now rather than after training.
+    reported now rather than after training. Returns the directories it
+    created, deepest first (see :func:`_remove_empty`).
     """
-    directories = []
+    directories, created = [], []
     if config.output:
         output = Path(config.output)
         if output.exists() and not output.is_dir():
@@ -304,6 +306,8 @@ def check_output_paths(config: RunConfig):
                              f"e.g. {str(checkpoint / 'checkpoint.npz')!r}")
         directories.append(("checkpoint", checkpoint.parent))
     for key, directory in directories:
+        missing = [directory, *directory.parents]
+        created += [d for d in missing[:next(i for i, d in enumerate(missing) if d.exists())] if d not in created]
         try:
             directory.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryFile(dir=directory):
@@ -311,6 +315,14 @@ def check_output_paths(config: RunConfig):
         except OSError as err:
             raise ValueError(f"{key} directory {str(directory)!r} is not writable: "
                              f"{err.strerror or err}") from None
+    return sorted(created, key=lambda d: len(d.parts), reverse=True)
+
+
+def _remove_empty(directories):
+    """Remove those of ``directories`` (deepest first) that a failed run left empty; keep any with files."""
+    for directory in directories:
+        with contextlib.suppress(OSError):
+            directory.rmdir()  # only an empty directory goes
 
 
 def run(config: RunConfig, transport=None, progress=None, dataset=None):
@@ -336,7 +348,15 @@ def run(config: RunConfig, transport=None, progress=None, dataset=None):
     config.validate()
     if transport is None:
         check_cores(config)
-    check_output_paths(config)
+    created = check_output_paths(config)
+    try:
+        return _run_checked(config, transport, progress, dataset)
+    except BaseException:
+        _remove_empty(created)  # a run that failed before writing anything leaves no empty folder behind
+        raise
+
+
+def _run_checked(config, transport, progress, dataset):
     algorithm = ALGORITHMS[config.algorithm]
     start = time.perf_counter()
     dataset = load_dataset(config) if dataset is None else dataset

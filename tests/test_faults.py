@@ -9,6 +9,7 @@ import importlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -227,6 +228,94 @@ def test_predict_names_a_file_that_is_not_a_model(tmp_path, capsys):
     assert f"{path} is not a fedlayer model file" in err
 
 
+def _damage_model(path, change):
+    """Rewrite the model file ``path`` with its arrays passed through ``change(dict) -> dict``."""
+    with np.load(path, allow_pickle=False) as data:
+        arrays = {name: data[name] for name in data.files}
+    np.savez(path, **change(arrays))
+
+
+def _without_first_weights(arrays):
+    first = min(name for name in arrays if name.startswith("weights_"))
+    return {name: a for name, a in arrays.items() if name != first}
+
+
+def _nan_weights(arrays):
+    name = max(name for name in arrays if name.startswith("weights_"))
+    broken = arrays[name].copy()
+    broken.flat[0] = np.nan
+    return {**arrays, name: broken}
+
+
+def _short_weights(arrays):
+    name = min(name for name in arrays if name.startswith("weights_"))
+    return {**arrays, name: arrays[name][:-1]}
+
+
+@pytest.mark.parametrize("change,message", [
+    (_without_first_weights, r"no weights stored for layer\(s\) \[\d+\]"),
+    (_nan_weights, r"the weights of layer\(s\) \[\d+\] hold NaN or Inf"),
+    (_short_weights, r"Dense\(.*\) on input \(60,\) expects weights of shape"),
+])
+def test_predict_names_a_damaged_model_file(tmp_path, capsys, change, message):
+    from fedlayer.models import build_model
+
+    model = build_model("dnn", (60,), 10)
+    for i in model.trainable:
+        shape = model.layers[i].ls_shape(model.input_shape_of(i))
+        model.layers[i].set_weights(np.random.default_rng(i).standard_normal(shape))
+    path = tmp_path / "model.npz"
+    model.save(path, {"algorithm": "fedacnnl"})
+    _damage_model(path, change)
+    status, err = fedlayer(["predict", str(path)], capsys)
+    assert status == 2
+    assert re.search(f"{re.escape(str(path))}: {message}", err), err
+
+
+def test_unknown_flags_are_named_by_the_subcommand(capsys):
+    status, err = fedlayer(["run", "--bogus", "1"], capsys)
+    assert status == 2
+    assert err == "fedlayer run: error: unrecognized arguments: --bogus 1 (`fedlayer run --help` lists the options)\n"
+    status, err = fedlayer(["plot", "results.json", "--bogus"], capsys)
+    assert status == 2 and err.startswith("fedlayer plot: error: unrecognized arguments: --bogus")
+
+
+def test_options_the_algorithm_ignores_get_a_note_and_the_run_goes_on(capsys, monkeypatch):
+    from fedlayer import cli
+
+    monkeypatch.setattr(run_module, "run", lambda config, **kwargs: {"stopped": "before training"})
+    monkeypatch.setattr(cli, "_summary", lambda results: "")
+    argv = ["run", "--clients", "12", "--algorithm", "fedacnnl", "--eps", "auto", "--groups", "3"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert ("fedlayer run: note: eps applies to the personalizing algorithms (pfedacnnl, pfedacnnl-wc); "
+            "'fedacnnl' ignores it") in err
+    assert "note: groups applies to the grouping algorithms (pfedacnnl, pfedacnnl-wp)" in err
+    assert main(["run", "--algorithm", "fedavg", "--model", "dnn", "--gamma", "auto"]) == 0
+    assert "note: gamma applies to the analytic methods" in capsys.readouterr().err
+    assert main([*argv, "--quiet"]) == 0  # --quiet: no notes either
+    assert capsys.readouterr().err == ""
+    assert main(["run", "--clients", "12", "--algorithm", "pfedacnnl", "--eps", "auto", "--groups", "3"]) == 0
+    assert "note" not in capsys.readouterr().err
+
+
+def test_a_run_refused_while_loading_data_prints_one_line_and_leaves_no_folder(tmp_path, capsys):
+    out = tmp_path / "new" / "out"
+    status, err = fedlayer(["run", "--dataset", "mnist", "--data-dir", str(tmp_path / "missing"),
+                            "--output", str(out)], capsys)
+    assert status == 2
+    assert err.startswith("fedlayer run: error: mnist not found"), err  # no empty progress bar before it
+    assert not (tmp_path / "new").exists()  # the folders the run created for its output are gone again
+
+
+def test_a_checkpoint_without_output_is_said_to_be_written(tmp_path, capsys):
+    checkpoint = tmp_path / "ck.npz"
+    assert main(["run", "--clients", "12", "--groups", "3", "--model", "lr", "--checkpoint", str(checkpoint)]) == 0
+    out = capsys.readouterr().out
+    assert checkpoint.exists()
+    assert f"only the checkpoint {checkpoint} was written" in out and "nothing was written" not in out
+
+
 def test_clients_of_more_cores_than_the_process_has_are_refused(capsys, no_training):
     """A 4-core client timed on 2 cores would describe another machine: refused before any work."""
     import fastls
@@ -237,10 +326,25 @@ def test_clients_of_more_cores_than_the_process_has_are_refused(capsys, no_train
     assert f"a client of {too_many} cores" in err and f"at most {fastls.available_cores()}" in err
 
 
+_CONFIG = {"algorithm": "fedacnnl", "dataset": "synthetic", "model": "dnn"}
+_CLIENT = {"compute_s": 0.1, "idle_s": 0.0, "comm_s": 0.01}
+
+
+def _results(**round_fields):
+    record = {"stage": "federated", "layer": 0, "accuracy": 0.5, "clients": {"0": dict(_CLIENT)}, **round_fields}
+    return json.dumps({"config": _CONFIG, "n_clients": 1, "rounds": {"1": record}})
+
+
 @pytest.mark.parametrize("content,message", [
     ("not json", "not JSON"),
     ("[1, 2]", "it lacks ['config', 'n_clients', 'rounds']"),
     ('{"config": {}}', "it lacks ['n_clients', 'rounds']"),
+    ('{"config": {}, "n_clients": 1, "rounds": {}}', "config must hold the strings algorithm, dataset and model"),
+    (json.dumps({"config": _CONFIG, "n_clients": 1, "rounds": [1]}), "rounds must map round numbers to records"),
+    (_results(clients=None), "round '1': clients must map client ids to their times"),
+    (_results(accuracy="high"), "round '1': accuracy must be a fraction in [0, 1] or null, got 'high'"),
+    (_results(layer="one"), "round '1': layer must be an integer or null"),
+    (_results(clients={"0": {"compute_s": 0.1}}), "client '0': expected compute_s, idle_s and comm_s"),
 ])
 def test_plot_names_a_file_that_is_not_a_results_json(tmp_path, capsys, content, message):
     path = tmp_path / "results.json"
@@ -249,6 +353,18 @@ def test_plot_names_a_file_that_is_not_a_results_json(tmp_path, capsys, content,
     assert status == 2
     assert f"{path} is not a fedlayer results.json" in err and message in err
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_plot_names_a_missing_file_and_an_out_that_is_a_file(tmp_path, capsys):
+    status, err = fedlayer(["plot", str(tmp_path / "missing.json")], capsys)
+    assert status == 2 and "missing.json: cannot read it (No such file or directory)" in err
+    path, taken = tmp_path / "results.json", tmp_path / "afile"
+    path.write_text(_results())
+    taken.write_text("")
+    status, err = fedlayer(["plot", str(path), "--out", str(taken)], capsys)
+    assert status == 2 and "is a file; give a directory" in err
+    assert main(["plot", str(path)]) == 0  # the same minimal file plots
+    assert (tmp_path / "accuracy.png").exists()
 
 
 def test_ctrl_c_says_where_the_trained_layers_are_and_how_to_go_on(tmp_path, capsys, monkeypatch):
@@ -301,9 +417,13 @@ def test_predict_uses_the_split_saved_with_the_model(tmp_path, capsys):
     assert report["split"]["clients"] == 9 and report["split"]["seed"] == 3
     assert report["split"]["train_fraction"] == 0.6
     assert report["accuracy"] == pytest.approx(results["accuracy"], abs=1e-12)
-    # A global model may be scored on another split; the report says which.
-    other = _predicted([str(out / "model.npz"), "--seed", "4"], capsys)
-    assert other["split"]["seed"] == 4
+    # Another split would deal the model's training images into the test sets: refused.
+    for flag, value in (("--seed", "4"), ("--clients", "12")):
+        status, err = fedlayer(["predict", str(out / "model.npz"), flag, value], capsys)
+        assert status == 2
+        assert "model.npz was trained on the split with" in err and "images it was trained on" in err
+        assert "another task" in err  # Synthetic: another seed draws another task
+    assert _predicted([str(out / "model.npz"), "--seed", "3"], capsys)["split"]["seed"] == 3  # its own: fine
 
 
 def test_group_and_personalized_models_recompute_the_run_accuracy(tmp_path, capsys):
@@ -323,7 +443,7 @@ def test_group_and_personalized_models_recompute_the_run_accuracy(tmp_path, caps
 
     status, err = fedlayer(["predict", str(out / "model_group0.npz"), "--clients", "20"], capsys)
     assert status == 2
-    assert "model_group0.npz was trained for" in err and "omit --clients" in err
+    assert "model_group0.npz was trained on the split with clients=12" in err and "omit --clients" in err
 
 
 def test_a_model_file_that_cannot_be_written_loses_no_measurements(tmp_path):
@@ -340,7 +460,7 @@ def test_a_model_file_that_cannot_be_written_loses_no_measurements(tmp_path):
     assert not (tmp_path / "run" / "results.json.tmp").exists()
 
 
-def test_predict_scores_every_client_of_a_centralized_or_resplit_global_model(tmp_path, capsys):
+def test_predict_scores_every_client_of_a_centralized_model(tmp_path, capsys):
     from fedlayer.run import RunConfig, load_dataset
 
     out = tmp_path / "acnnl"
@@ -349,9 +469,7 @@ def test_predict_scores_every_client_of_a_centralized_or_resplit_global_model(tm
     results = json.loads((out / "results.json").read_text())
     report = _predicted([str(out)], capsys)
     assert report["accuracy"] == pytest.approx(results["accuracy"], abs=1e-12)  # all 6 clients, not client 0
-    # The same global model on a split of more clients scores all of them.
-    report = _predicted([str(out / "model.npz"), "--clients", "9"], capsys)
-    split = load_dataset(RunConfig(clients=9, model="lr"))
+    split = load_dataset(RunConfig(clients=6, model="lr"))
     assert report["test_samples"] == sum(len(c.y_test) for c in split.clients)
 
 
