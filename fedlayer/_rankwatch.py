@@ -21,6 +21,10 @@ hosts, each host names the first of its own ranks to end: the earliest
 time is the rank that died, the others are the launcher's cleanup (after a
 deliberate abort, the error rank 0 printed says so).
 
+When the job is over, the watcher unlinks the /dev/shm files its ranks
+mapped that are still there: MPICH's shared-memory segments (3 MB each
+here), which a killed or aborted job leaves behind in RAM.
+
 Each rank also holds a pipe open for its life (its "lifeline", opened
 here through /proc/PID/fd): a killed rank closes it in the first steps of
 its exit, before the launcher can react, where its pidfd signals only once
@@ -134,10 +138,15 @@ def _watch(marker_dir, host, ranks):
         for fd in handles:
             fds[fd] = (rank, pid)
             poller.register(fd, select.POLLIN)
-    pending = gone
+    segments = _shared_memory_files(pid for _, pid, *_ in ranks)
+    pending, named = gone, False
     while fds or pending:
         if not pending:
-            woken = [fd for fd, _ in poller.poll()]
+            # Once a rank is named, the launcher kills the rest within moments: wait for them a little,
+            # then clean up after the job.
+            woken = [fd for fd, _ in poller.poll(_AFTER_DEATH_MS if named else None)]
+            if named and not woken:
+                break
             # A rank killed first can still be tearing down its memory when a rank the launcher killed
             # after it has ended. Ranks already exiting when the watcher wakes ended with the woken ones.
             woken += [fd for fd, (_, pid) in fds.items() if fd not in woken and _exiting(pid)]
@@ -152,9 +161,42 @@ def _watch(marker_dir, host, ranks):
         unexplained = [(rank, pid, how) for rank, pid, how in pending
                        if not any(os.path.exists(os.path.join(marker_dir, name)) for name in (str(rank), "abort"))]
         pending = []
-        if unexplained:
+        if unexplained and not named:
             _name(host, sorted(unexplained))
-            return
+            named = True
+    if named or not fds:
+        # Every rank has ended (or one died and the rest had 30 s to follow): what the job mapped under
+        # /dev/shm and is still there, MPICH left behind. After an orderly end there is nothing left.
+        _remove(segments)
+
+
+# How long the watcher waits for the other ranks of a job whose rank died before it cleans up (ms).
+_AFTER_DEATH_MS = 30_000
+
+
+def _shared_memory_files(pids):
+    """The /dev/shm files the ranks map (MPICH's shared-memory segments, e.g. mpich_shm_*)."""
+    files = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                files.update(line.split(None, 5)[5].strip() for line in f
+                             if len(line.split(None, 5)) == 6 and line.split(None, 5)[5].startswith("/dev/shm/"))
+        except OSError:
+            pass
+    return sorted(path for path in files if not path.endswith(" (deleted)"))
+
+
+def _remove(paths):
+    """Unlink the shared-memory files a killed job leaves (its launcher never does): they hold RAM.
+
+    Only the name goes: a process that still maps one keeps its memory.
+    """
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass  # already removed, by MPICH or another watcher of the job
 
 
 def _name(host, ended):

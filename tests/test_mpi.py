@@ -324,6 +324,10 @@ def test_dead_rank_is_named():
             else:
                 time.sleep(0.1)
         assert victim is not None, "rank 2 or the watcher never started"
+        from fedlayer._rankwatch import _shared_memory_files
+
+        segments = _shared_memory_files([victim])  # MPICH's shared memory, which a killed job leaves behind
+        assert segments, "rank 2 maps nothing under /dev/shm: MPICH's segments were expected there"
         os.kill(victim, signal.SIGKILL)
         _, stderr = proc.communicate(timeout=60)
     finally:
@@ -334,6 +338,11 @@ def test_dead_rank_is_named():
     # Named alone, or with the ranks the launcher killed while it was still exiting ("ended together").
     assert f"rank 2 (pid {victim}" in stderr, stderr[-3000:]
     assert stderr.count("without an error of their own") == 1  # the ranks mpiexec stopped afterwards are not named
+    # The watcher unlinks the segments once every rank of the job has ended.
+    deadline = time.monotonic() + 30
+    while any(Path(p).exists() for p in segments) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in segments if Path(p).exists()], segments
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="lifelines are opened through /proc/PID/fd (Linux)")
