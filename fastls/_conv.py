@@ -135,6 +135,11 @@ def conv2d(images, W, kernel_size, *, padding=0, stride=1, bias=False, method="a
     scratch_bytes = _check_count("scratch_bytes", scratch_bytes)
     if B == 0:
         return out
+    if F == 0:
+        return out
+    if C == 0:  # no input channels: every output is the bias row, if any
+        out[...] = W[-1] if bias else 0
+        return out
     images = np.ascontiguousarray(images)
     chosen = conv2d_method((kh, kw), (sh, sw), C, F, method)
     if chosen == "im2col":

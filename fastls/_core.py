@@ -163,9 +163,14 @@ def _check_positive(name, value, meaning):
     return float(value)
 
 
+# Counts and sizes go to C as ssize_t.
+_COUNT_MAX = 2**63 - 1
+
+
 def _check_count(name, value, minimum=1):
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not minimum <= value <= _COUNT_MAX:
+        limit = " and below 2^63" if isinstance(value, numbers.Integral) and value > _COUNT_MAX else ""
+        raise ValueError(f"{name} must be an integer >= {minimum}{limit}, got {value!r}")
     return int(value)
 
 
@@ -493,7 +498,21 @@ def _pair(name, value):
         raise ValueError(f"{name} must be an int or a pair of ints, got {value!r}") from None
     if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in (a, b)):
         raise ValueError(f"{name} must be an int or a pair of ints, got {value!r}")
+    if max(abs(a), abs(b)) > _COUNT_MAX:
+        raise ValueError(f"{name} must be below 2^63, got {value!r}")
     return int(a), int(b)
+
+
+def _image_shape(image_shape):
+    """(H, W, channels) as positive ints, or ValueError (floats and strings are not truncated)."""
+    try:
+        H, W, channels = image_shape
+    except (TypeError, ValueError):
+        raise ValueError(f"image_shape must be (H, W, channels), got {image_shape!r}") from None
+    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and 1 <= v <= _COUNT_MAX
+               for v in (H, W, channels)):
+        raise ValueError(f"image_shape must be three positive ints (H, W, channels), got {image_shape!r}")
+    return int(H), int(W), int(channels)
 
 
 def _conv_geometry(image_hw, kernel_size, stride, padding):
@@ -514,7 +533,9 @@ def _conv_geometry(image_hw, kernel_size, stride, padding):
         ph, pw = _pair("padding", padding)
         if ph < 0 or pw < 0:
             raise ValueError(f"padding must be >= 0, got {(ph, pw)}")
-    H, W = image_hw
+    H, W = _pair("image_hw", image_hw)
+    if H < 1 or W < 1:
+        raise ValueError(f"image_hw must be positive (H, W), got {(H, W)}")
     out_h = (H + 2 * ph - kh) // sh + 1
     out_w = (W + 2 * pw - kw) // sw + 1
     if out_h < 1 or out_w < 1:
@@ -739,12 +760,7 @@ class ConvStats:
                  block_rows=DEFAULT_BLOCK_ROWS, images=None, position_basis=None):
         _check_output("G", G, 2)
         _check_output("C", C, 2)
-        try:
-            H, W, channels = (int(v) for v in image_shape)
-        except (TypeError, ValueError):
-            raise ValueError(f"image_shape must be (H, W, channels), got {image_shape!r}") from None
-        if min(H, W, channels) < 1:
-            raise ValueError(f"image_shape must be positive (H, W, channels), got {image_shape!r}")
+        H, W, channels = _image_shape(image_shape)
         geometry = _conv_geometry((H, W), kernel_size, stride, padding)
         kh, kw, sh, sw, ph, pw, out_h, out_w = geometry
         d = kh * kw * channels + int(bool(append_ones))
@@ -1113,7 +1129,7 @@ def conv_stats_cost(image_shape, kernel_size, *, stride=1, padding=0):
     -------
     (float, float or None)
     """
-    H, W, channels = image_shape
+    H, W, channels = _image_shape(image_shape)
     kh, kw, sh, sw, ph, pw, out_h, out_w = _conv_geometry((H, W), kernel_size, stride, padding)
     im2col_macs = out_h * out_w * (kh * kw * channels) ** 2 / 2
     if (sh, sw) != (1, 1):
@@ -1422,6 +1438,9 @@ def proximal_cost(n, d, m, *, gram_flops=None):
     -------
     dict with "primal" and "dual" (float flops)
     """
+    for name, value in (("n", n), ("d", d), ("m", m)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < float("inf"):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     n, d, m = float(n), float(d), float(m)
     gram = n * d * d if gram_flops is None else float(gram_flops)
     return {"primal": gram + d ** 3 / 3 + 2 * d * d * m,

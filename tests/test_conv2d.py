@@ -93,6 +93,14 @@ def test_auto_takes_winograd_for_wide_3x3_stride_1():
     assert fastls.conv2d_method(3, 1, 512, 512, "im2col") == "im2col"
 
 
+def test_conv2d_of_no_channels_or_no_filters(rng):
+    np.testing.assert_array_equal(fastls.conv2d(np.zeros((2, 5, 5, 0)), np.zeros((0, 4)), 3), np.zeros((2, 3, 3, 4)))
+    bias = random(rng, (1, 4), np.float64)
+    np.testing.assert_array_equal(fastls.conv2d(np.zeros((2, 5, 5, 0)), bias, 3, bias=True),
+                                  np.broadcast_to(bias[0], (2, 3, 3, 4)))
+    assert fastls.conv2d(random(rng, (2, 5, 5, 3), np.float64), np.zeros((27, 0)), 3).shape == (2, 3, 3, 0)
+
+
 def test_conv2d_refuses_bad_input(rng):
     x = random(rng, (2, 5, 5, 3), np.float64)
     W = random(rng, (27, 4), np.float64)

@@ -484,6 +484,23 @@ def test_im2col_geometry_refuses_each_dimension(rng, shape, kernel_size, padding
         fastls.im2col(rng.standard_normal((1, *shape, 2)), kernel_size, padding=padding)
 
 
+@pytest.mark.parametrize("call,message", [
+    (lambda: fastls.conv_output_shape((5.5, 5), 3), "image_hw must be an int or a pair of ints"),
+    (lambda: fastls.conv_output_shape((-5, 5), 3, padding=5), "image_hw must be positive"),
+    (lambda: fastls.conv_stats_cost((5, 5, -3), 3), "image_shape must be three positive ints"),
+    (lambda: fastls.ConvStats(np.zeros((46, 46)), np.zeros((46, 1)), (5.7, 5, 5), 3, append_ones=True),
+     "image_shape must be three positive ints"),
+    (lambda: fastls.proximal_cost(-5, 3, 4), "n must be a finite number >= 0"),
+    (lambda: fastls.proximal_cost(5, "3", 4), "d must be a finite number >= 0"),
+    (lambda: fastls.gram_update(np.zeros((2, 2)), np.ones((3, 2)), block_rows=2**70),
+     "block_rows must be an integer >= 1 and below 2\\^63"),
+    (lambda: fastls.im2col(np.ones((1, 4, 4, 1)), 2, stride=2**70), "stride must be below 2\\^63"),
+])
+def test_sizes_and_counts_are_refused_by_name_not_truncated(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_inputs_leave_outputs_untouched(rng, bad):
     X = rng.standard_normal((50, 4))
