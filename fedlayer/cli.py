@@ -335,11 +335,14 @@ def _predict_split(models, args):
         if value is None or value == split[key]:
             continue
         if saved[0] is not None:
-            raise ValueError(
-                f"{models[0][0].name} was trained on the split with {key}={split[key]!r}; on {key}={value!r} its "
-                f"test sets would hold images it was trained on (every split deals out all of the dataset's "
-                f"images{', and on Synthetic another seed is another task' if split['dataset'] == 'synthetic' else ''}"
-                f"): omit --{key}")
+            if key == "dataset":
+                why = f"another dataset's labels name other classes than {split[key]}'s"
+            else:
+                why = ("its test sets would hold images it was trained on (every split deals out all of the "
+                       "dataset's images" + (", and on Synthetic another seed is another task"
+                                             if split["dataset"] == "synthetic" else "") + ")")
+            raise ValueError(f"{models[0][0].name} was trained on the split with {key}={split[key]!r}; on "
+                             f"{key}={value!r} {why}: omit --{key}")
         split[key] = value
     return split
 

@@ -424,6 +424,8 @@ def test_predict_uses_the_split_saved_with_the_model(tmp_path, capsys):
         assert "model.npz was trained on the split with" in err and "images it was trained on" in err
         assert "another task" in err  # Synthetic: another seed draws another task
     assert _predicted([str(out / "model.npz"), "--seed", "3"], capsys)["split"]["seed"] == 3  # its own: fine
+    status, err = fedlayer(["predict", str(out / "model.npz"), "--dataset", "mnist"], capsys)
+    assert status == 2 and "another dataset's labels name other classes than synthetic's: omit --dataset" in err
 
 
 def test_group_and_personalized_models_recompute_the_run_accuracy(tmp_path, capsys):
