@@ -633,6 +633,11 @@ def scale_negatives(x, factor):
     _check_output("x", x, np.ndim(x))
     if not isinstance(factor, numbers.Real) or isinstance(factor, bool) or not np.isfinite(factor):
         raise ValueError(f"factor must be a finite number (the slope of the negative part), got {factor!r}")
+    if x.size and abs(factor) > 1:  # only a steeper slope can overflow: checked before x is touched
+        lowest = float(x.min())
+        if lowest < 0 and abs(lowest * float(factor)) > float(np.finfo(x.dtype).max):
+            raise ValueError(f"x * factor overflows {x.dtype} (most negative x {lowest:.3g}, factor {factor:.3g}); "
+                             f"scale in float64")
     if x.size:
         _kernels.scale_negatives(x.reshape(-1, order="A"), float(factor))
     return x

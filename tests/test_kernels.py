@@ -1043,6 +1043,20 @@ def test_scale_negatives_refuses_a_slope_that_is_not_a_finite_number(factor):
     np.testing.assert_array_equal(x, [-1.0, 2.0])
 
 
+def test_scale_negatives_refuses_a_slope_that_overflows_and_leaves_x(rng):
+    x = np.array([-1e30, 2.0, -3.0], np.float32)
+    with pytest.raises(ValueError, match="x \\* factor overflows float32"):
+        fastls.scale_negatives(x, 1e10)
+    with pytest.raises(ValueError, match="x \\* factor overflows float32"):
+        fastls.scale_negatives(x, 1e300)  # a factor float32 cannot hold
+    np.testing.assert_array_equal(x, np.array([-1e30, 2.0, -3.0], np.float32))
+    fastls.scale_negatives(x, -1e5)  # steep but fits: applied
+    np.testing.assert_allclose(x, [1e35, 2.0, 3e5], rtol=1e-6)
+    y = np.array([-1e300, 1.0])
+    fastls.scale_negatives(y, 0.01)  # a leaky ReLU's slope never overflows: no scan
+    assert y[0] == pytest.approx(-1e298)
+
+
 def test_small_argument_mistakes_get_errors_that_name_them(rng):
     images = random(rng, (2, 6, 6, 3), np.float32)
     W = random(rng, (27, 4), np.float32)
