@@ -321,7 +321,7 @@ def render(report, args):
         "",
         f"Largest relative difference of the weights, secure against plain: {m['weights_rel_diff']:.2e} "
         "(target <= 1e-9).",
-        f"Key setup, once per run: {m['setup_bytes']:,} bytes (public keys and encrypted key shares).",
+        f"Key setup, once per run: {m['setup_bytes']:,} bytes (the public keys; no key shares since 2026-11-29).",
         "",
         "Discussion of these figures, and what is still open: [secure_sums_notes.md](secure_sums_notes.md).",
         "",

@@ -615,23 +615,15 @@ class Client:
         self._secure_pending = {}
         return {"public": self._secure.public_key()}
 
-    def secure_rekey(self):
-        """A new mask key pair after the server rebuilt this client's; returns its public keys and shares per neighbour."""
-        start = time.perf_counter()
-        public, shares = self._secure.rekey()
-        return {"public": public, "shares": shares, "compute_s": time.perf_counter() - start}
-
     def secure_neighbours(self, public_keys):
-        """The neighbours' public keys (cid -> bytes); returns this client's key shares, encrypted per neighbour."""
-        return {"shares": self._secure.set_neighbours(public_keys)}
+        """The neighbours' public keys (cid -> bytes)."""
+        self._secure.set_neighbours(public_keys)
+        return {}
 
-    def secure_receive(self, shares, public_keys=None):
-        """Encrypted shares addressed to this client (sender cid -> bytes), relayed by the server.
-
-        ``public_keys``: neighbours' new public keys (cid -> bytes) after :meth:`secure_rekey`.
-        """
+    def secure_receive(self, shares):
+        """Encrypted self-mask shares addressed to this client (sender cid -> bytes), relayed by the server."""
         start = time.perf_counter()
-        self._secure.receive_shares(shares, public_keys)
+        self._secure.receive_shares(shares)
         return {"compute_s": time.perf_counter() - start}
 
     def secure_bound(self, position, batch_size, summed, round_index=0, target_moments=False, upper=(),
@@ -675,7 +667,8 @@ class Client:
         return {**masked, "compute_s": time.perf_counter() - start}
 
     def secure_reveal(self, context, dropped, survivors):
-        """Shares for unmasking the sum ``context``: keys of dropped neighbours, self masks of surviving ones."""
+        """For unmasking the sum ``context``: this sum's pairwise keys with dropped neighbours, self-mask shares of
+        surviving ones."""
         start = time.perf_counter()
         shares = self._secure.reveal(context, set(dropped), set(survivors))
         return {"shares": shares, "compute_s": time.perf_counter() - start}

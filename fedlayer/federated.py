@@ -155,9 +155,11 @@ def _gcv_choice(G, C, zz, rows, basis):
 
 
 def _secure_setup(transport, secure, group_of):
-    """Keys and their shares, once per run: public keys up, the SecAgg+ graph per group, shares relayed.
+    """Keys once per run: public keys up, the SecAgg+ graph per group, each client told its neighbours' keys.
 
-    Returns the bytes the clients uploaded for it (public keys and encrypted key shares).
+    No secret is shared at setup: the masks of a client that drops out are
+    removed per sum (:meth:`fedlayer.secure.SecureClientState.reveal`).
+    Returns the bytes the clients uploaded for it (their public keys).
     """
     publics = {cid: result["public"] for cid, result in transport.call(
         "secure_keys", {cid: {"min_survivors": secure.min_group_size} for cid in group_of})}
@@ -166,26 +168,19 @@ def _secure_setup(transport, secure, group_of):
         groups.setdefault(k, []).append(cid)
     graph = secure.plan(groups)
     secure.public = publics
-    outgoing = {cid: result["shares"] for cid, result in transport.call(
-        "secure_neighbours", {cid: {"public_keys": {nb: publics[nb] for nb in graph[cid]}} for cid in group_of})}
-    _, failed = _relay(transport, secure, outgoing, group_of)
-    if failed:
-        raise SecureAggregationError(f"the key setup failed: client(s) {sorted(failed)} could not take their "
-                                     f"neighbours' key shares ({next(iter(failed.values()))})")
-    return sum(len(blob) for shares in outgoing.values() for blob in shares.values()) + sum(map(len, publics.values()))
+    for _ in transport.call("secure_neighbours", {cid: {"public_keys": {nb: publics[nb] for nb in graph[cid]}}
+                                                  for cid in group_of}):
+        pass  # call yields as the clients answer: run it to the end
+    return sum(map(len, publics.values()))
 
 
-def _relay(transport, secure, outgoing, cids, public_keys=None):
+def _relay(transport, secure, outgoing, cids):
     """Deliver encrypted shares (sender -> {receiver: bytes}) to ``cids``.
 
-    ``public_keys`` (receiver -> {owner: new public key}) go with them.
     Returns (each receiver's seconds receiving, receiver -> why it failed).
     """
     incoming = secure.route(outgoing)
-    public_keys = public_keys or {}
-    done = transport.sum("secure_receive", {c: {"shares": incoming.get(c, {}),
-                                                **({"public_keys": public_keys[c]} if c in public_keys else {})}
-                                            for c in cids}, ())
+    done = transport.sum("secure_receive", {c: {"shares": incoming.get(c, {})} for c in cids}, ())
     return {cid: r["compute_s"] for cid, r in done.receipts.items()}, done.dropped
 
 
@@ -193,55 +188,20 @@ def _dropped_in(step, dropped):
     return {cid: f"{step}: {why}" for cid, why in dropped.items()}
 
 
-def _new_keys(transport, secure, alive, protocol_s, context):
-    """Before a sum: new keys for the clients whose key the server rebuilt, and every pending key delivered.
-
-    A client whose key was rebuilt in an earlier sum (it dropped out after
-    masking) takes a new key pair before it masks again; each neighbour must
-    hold the new public key before it masks with that client, so a delivery
-    that fails is retried before the neighbour's next sum, and until then it
-    stays out of the sums. Returns the clients of ``alive`` that cannot take
-    part (cid -> why).
-    """
-    out = {}
-    stale = [c for c in alive if c in secure.rebuilt_keys]
-    if stale:
-        rekeyed = transport.sum("secure_rekey", {c: {} for c in stale}, ())
-        out.update(_dropped_in("secure_rekey", rekeyed.dropped))
-        for cid, r in rekeyed.receipts.items():
-            protocol_s[cid] += r["compute_s"]
-            secure.public[cid] = r["public"]
-            secure.rebuilt_keys.discard(cid)
-            secure.rekeyed.append({"sum": list(context), "client": int(cid)})
-            for receiver, blob in r["shares"].items():
-                secure.pending_keys.setdefault(int(receiver), {})[cid] = (r["public"], blob)
-    receivers = [c for c in alive if c in secure.pending_keys and c not in out]
-    if receivers:
-        outgoing = {}
-        for receiver in receivers:
-            for owner, (_, blob) in secure.pending_keys[receiver].items():
-                outgoing.setdefault(owner, {})[receiver] = blob
-        public_keys = {r: {owner: public for owner, (public, _) in secure.pending_keys[r].items()} for r in receivers}
-        seconds, failed = _relay(transport, secure, outgoing, receivers, public_keys)
-        for cid, value in seconds.items():
-            protocol_s[cid] += value
-            del secure.pending_keys[cid]
-        out.update(_dropped_in("secure_receive (new keys)", failed))
-    return out
-
-
 def _secure_sum(transport, secure, args, context, stat_dtype):
     """A group's sums by the secure protocol (fedlayer.secure); returns (Sum with float totals, withheld).
 
     1. each client computes its statistics and declares their magnitude exponent
        (a client that fails here has not masked anything: it simply drops out);
-    2. clients whose key the server rebuilt take new ones (:func:`_new_keys`);
-    3. the server fixes the fixed-point scale; the remaining clients share a
+    2. the server fixes the fixed-point scale; the remaining clients share a
        fresh self mask with their neighbours and upload masked words; a client
        that fails before its upload is left out of the masks, one that fails
-       in it is a dropout whose key the survivors reveal;
-    4. the survivors reveal the shares the server needs to remove the masks
-       (a survivor that fails to answer only withholds its own shares).
+       in it is a dropout whose pairwise masks of this sum the survivors
+       reveal the keys of;
+    3. the survivors reveal what the server needs to remove the masks (a
+       survivor that fails to answer withholds its own self-mask shares, which
+       the threshold covers, but a survivor that masked with a dropped client
+       must answer, or the sum cannot be unmasked).
 
     ``withheld`` is None, or why the sum was not unmasked: fewer survivors
     than ``secure.min_group_size`` (the Sum then has no totals).
@@ -252,8 +212,6 @@ def _secure_sum(transport, secure, args, context, stat_dtype):
     alive = sorted(bound.receipts)
     dropped_before = dict(bound.dropped)
     protocol_s = dict.fromkeys(alive, 0.0)  # each client's time in the protocol's own steps
-    dropped_before.update(_new_keys(transport, secure, alive, protocol_s, context))
-    alive = [c for c in alive if c not in dropped_before]
     if not alive:
         return Sum({}, {}, {}, dropped_before), None
     n_terms = len(alive)
@@ -298,7 +256,7 @@ def _secure_sum(transport, secure, args, context, stat_dtype):
             outcome.receipts[cid]["compute_s"] += r["compute_s"]
             revealed_bytes[cid] = len(pickle.dumps(r["shares"], protocol=pickle.HIGHEST_PROTOCOL))
         outcome.dropped.update(_dropped_in("secure_reveal (its upload is in the sum)", reveal.dropped))
-        words = secure.unmask(context, upload.totals, survivors, dropped, revealed, secure.public, shared_among)
+        words = secure.unmask(context, upload.totals, survivors, dropped, revealed, shared_among)
         code = FixedPoint(frac_bits, n_terms)
         totals = {key: code.decode(w) for key, w in words.items()}
         totals.update({key: unpack_upper(totals[key]) for key in _UPPER if key in totals})
@@ -666,8 +624,6 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         start = time.perf_counter()
         rounds[-1]["accuracy"] = overall_accuracy(transport)
         rounds[-1]["eval_s"] = time.perf_counter() - start
-    if secure_record is not None:
-        secure_record["rekeyed"] = list(secure.rekeyed)  # clients that took a new mask key, before which sum
     return {
         "groups": {str(cid): k for cid, k in group_of.items()},
         **({"secure": secure_record} if secure_record else {}),

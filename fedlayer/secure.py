@@ -12,11 +12,9 @@ neighbours of its group instead of all of them, so the work grows as n log n.
   client whose values do not fit its share of the range raises, it never wraps.
   Rounding costs at most 2^-(frac_bits+1) per client and entry
   (:meth:`FixedPoint.error_bound`).
-* **Keys.** Two X25519 key pairs per client, as in Bonawitz et al.: a mask
-  key (pairwise mask secrets; Shamir-shared, so that the server can rebuild
-  it when the client drops out) and a channel key (the AEAD keys of the
-  shares exchanged through the server; never shared, so a rebuilt mask key
-  opens none of the ciphertexts the server relayed). HKDF-SHA256 per purpose
+* **Keys.** Two X25519 key pairs per client: a mask key (the pairwise mask
+  secrets) and a channel key (the AEAD keys of the shares exchanged through
+  the server). Neither ever leaves the client, whole or in shares. HKDF-SHA256 per purpose
   and sum, masks from an AES-128-CTR keystream, shares encrypted with
   ChaCha20-Poly1305 (all from the ``cryptography`` package; NumPy's
   generators are not cryptographic and are never used for secrets). A
@@ -26,18 +24,19 @@ neighbours of its group instead of all of them, so the work grows as n log n.
   the self mask b_i (fresh per sum, shared among i's neighbours still in the
   sum) is removed by the server with shares of b_i from those neighbours once
   i's upload has arrived.
-* **Dropouts.** Each client Shamir-shares its mask key among its neighbours
-  (threshold t = floor(k / 2) + 1). When client j drops out after sharing, its
-  surviving neighbours give the server their shares of j's key, and the server
-  removes the masks s_ij of j's neighbours i. A client answers for a neighbour
-  either with the share of its key (it dropped) or of its self mask (it
-  survived), never both, so the server never holds both for one client.
-  The key is the run's, so "never both" must hold across sums too: a client
-  whose mask key the server rebuilt takes a new mask key pair before its next sum
-  (:meth:`SecureClientState.rekey`), and a neighbour that revealed a share of
-  a key refuses to reveal that owner's self mask until the owner's new key
-  has reached it. Otherwise the server would rebuild a client's pairwise
-  masks from the old key and its self mask from the shares of a later sum.
+* **Dropouts.** When client j drops out of a sum after the masks were
+  agreed (in its upload), each surviving neighbour i gives the server the
+  key of that sum's mask between them, HKDF(s_ij, "mask", sum), and the
+  server removes it. A client answers for a neighbour either with that
+  pairwise key (it dropped) or with its share of the neighbour's self mask
+  (it survived), never both, so the server never holds both for one client
+  and sum. Bonawitz et al. have the survivors reveal shares of j's mask key
+  instead, which suits keys made afresh for every sum; here the mask key is
+  the run's, and once rebuilt it would unmask every earlier sum in which j's
+  self mask had been revealed (an audit rebuilt a client's first-layer
+  statistics that way). A per-sum pairwise key opens that sum only, and
+  costs one HKDF. The price: a survivor that masked with a dropped client
+  must answer, or the sum cannot be unmasked.
 * **Few survivors.** A sum over fewer than ``min_survivors`` clients would
   show the server too much of each of them (over one, all of it): a client
   reveals nothing for such a sum, and the server does not ask
@@ -164,7 +163,8 @@ class FixedPoint:
         raises before ``out`` is written. ``checked``: the caller has shown
         that ``x`` fits (:meth:`fits` of its scanned exponent); no scan.
         """
-        scaled = np.multiply(x, self.scale, out=None if scratch is None else scratch[:x.size])
+        with np.errstate(over="ignore"):  # a value that overflows when scaled is refused just below
+            scaled = np.multiply(x, self.scale, out=None if scratch is None else scratch[:x.size])
         np.rint(scaled, out=scaled)
         peak = 0.0 if checked else _peak(scaled)
         if not np.isfinite(peak) or peak >= self.limit * self.scale:
@@ -444,8 +444,8 @@ def _parse_share(plain, sender):
     """(owner, to, what, context, x, y) from :func:`_share_plaintext`; raises on anything else."""
     try:
         owner, to, what, context, x, y = json.loads(plain)
-        fields_ok = (all(type(v) is int for v in (owner, to, x, y)) and what in ("key", "self")
-                     and (context is None or (isinstance(context, list) and all(type(v) is int for v in context))))
+        fields_ok = (all(type(v) is int for v in (owner, to, x, y)) and what == "self"
+                     and isinstance(context, list) and all(type(v) is int for v in context))
     except (ValueError, TypeError):
         fields_ok = False
     if not fields_ok:
@@ -463,17 +463,16 @@ class SecureClientState:
     def __init__(self, cid, min_survivors=1):
         self.cid = int(cid)
         self.min_survivors = int(min_survivors)
-        self._private = _crypto().X25519PrivateKey.generate()   # the mask key (shared, may be rebuilt)
-        self._key_secret = self._private.private_bytes_raw()
+        self._private = _crypto().X25519PrivateKey.generate()   # the mask key (never leaves this client)
         self._channel = _crypto().X25519PrivateKey.generate()   # the channel key (never leaves this client)
         self.neighbours = []
         self._public = {}        # neighbour -> its public key bundle (mask key, channel key)
         self._held = {}          # (owner, what, context) -> (x, y) share it holds for the owner
         self._self_masks = {}    # context -> b_i
-        self._answered = {}      # (owner, context) -> "key" or "self": what it revealed for the owner
+        self._answered = {}      # (owner, context) -> "pair" or "self": what it revealed for the owner
         self._agreed = {}        # neighbour -> mask-key shared secret (one exchange per pair of mask keys)
         self._ciphers = {}       # neighbour -> the AEAD of the shares exchanged with it (channel keys)
-        self._key_given = {}     # owner -> sum in which this client revealed its share of the owner's current key
+        self._masked_with = {}   # context -> the neighbours this client's upload of that sum is masked with
 
     def public_key(self):
         """The public key bundle: the mask key's public key, then the channel key's (64 bytes)."""
@@ -495,23 +494,10 @@ class SecureClientState:
         return self._ciphers[other]
 
     def set_neighbours(self, public_keys):
-        """Neighbour -> public key; returns this client's key shares, encrypted per neighbour."""
+        """Neighbour -> public key bundle. No key is shared: a dropout's masks are removed per sum (:meth:`reveal`)."""
         self.neighbours = sorted(int(c) for c in public_keys)
         self._public = {int(c): bytes(k) for c, k in public_keys.items()}
         self._agreed, self._ciphers = {}, {}
-        return self._encrypted_shares(self._key_secret, "key", None)
-
-    def rekey(self):
-        """A new mask key, after the server rebuilt the old one; returns (public key bundle, its shares per neighbour).
-
-        Every pairwise mask secret changes with it; the neighbours must receive
-        the new public key (:meth:`receive_shares`) before they mask with this
-        client again. The channel key stays: the shares travel as before.
-        """
-        self._private = _crypto().X25519PrivateKey.generate()
-        self._key_secret = self._private.private_bytes_raw()
-        self._agreed = {}
-        return self.public_key(), self._encrypted_shares(self._key_secret, "key", None)
 
     def _encrypted_shares(self, secret, what, context, holders=None):
         """Shamir shares of ``secret`` for ``holders`` (default: every neighbour), threshold over their number."""
@@ -525,28 +511,8 @@ class SecureClientState:
             out[other] = nonce + self._aead(other).encrypt(nonce, plain, None)
         return out
 
-    def receive_shares(self, ciphertexts, public_keys=None):
-        """Sender -> ciphertext addressed to this client: decrypted and kept.
-
-        ``public_keys``: neighbour -> its new public key bundle (after
-        :meth:`rekey`), taken first: its mask secret with this client and the
-        share of its old mask key are dropped, and its ciphertext here must be
-        the new key's share. A bundle whose channel key changed is refused.
-        """
-        senders = {int(c) for c in ciphertexts}
-        for owner, public in (public_keys or {}).items():
-            owner = int(owner)
-            if owner not in self._public:
-                raise SecureAggregationError(f"client {self.cid}: a new key for {owner}, which is not a neighbour")
-            if owner not in senders:
-                raise SecureAggregationError(f"client {self.cid}: client {owner}'s new key came without its share")
-            if _public_parts(public)[1] != _public_parts(self._public[owner])[1]:
-                raise SecureAggregationError(f"client {self.cid}: client {owner}'s new key bundle changes its "
-                                             "channel key; refused")
-            self._public[owner] = bytes(public)
-            self._agreed.pop(owner, None)
-            self._held.pop((owner, "key", None), None)
-            self._key_given.pop(owner, None)
+    def receive_shares(self, ciphertexts):
+        """Sender -> ciphertext addressed to this client (shares of self masks): decrypted and kept."""
         for sender, blob in ciphertexts.items():
             sender = int(sender)
             if sender not in self._public:
@@ -599,55 +565,62 @@ class SecureClientState:
         checked = code is not None and exponent is not None and code.fits(exponent)
         pairs = [(_mask_key(self._self_masks.pop(context), b"self mask", context), +1)]
         members = set(members)
-        for other in self.neighbours:
-            if other in members:
-                pairs.append((_mask_key(self._shared(other), b"mask", context), +1 if other > self.cid else -1))
+        self._masked_with[context] = {other for other in self.neighbours if other in members}
+        for other in sorted(self._masked_with[context]):
+            pairs.append((_mask_key(self._shared(other), b"mask", context), +1 if other > self.cid else -1))
         try:
             _add_masks(flat, pairs, sources, code, checked)
         except SecureAggregationError:
             for key, (a, b) in offsets.items():  # name the entry that does not fit
-                code.encode_into(np.asarray(entries[key], dtype=np.float64).reshape(-1), flat[a:b],
-                                 name=f"client {self.cid} {key}")
+                try:
+                    code.encode_into(np.asarray(entries[key], dtype=np.float64).reshape(-1), flat[a:b],
+                                     name=f"client {self.cid} {key}")
+                except SecureAggregationError:
+                    # This message reaches the server as the dropout's reason: the entry, not its values.
+                    raise SecureAggregationError(
+                        f"client {self.cid} {key}: a value is not finite or does not fit the sum's fixed point "
+                        f"({code.frac_bits} fractional bits, {code.n_terms} clients); it would wrap") from None
             raise
         return {key: flat[a:b].reshape(shapes[key]) for key, (a, b) in offsets.items()}
 
     def reveal(self, context, dropped, survivors):
-        """Shares for the server: of the key of each dropped neighbour, of the self mask of each surviving one.
+        """What the server needs for sum ``context``, per neighbour: for a dropped one, the key of this sum's mask
+        between the two; for a surviving one, this client's share of its self mask.
 
-        Refuses (:class:`SecureAggregationError`, nothing revealed) a sum of
-        fewer than ``min_survivors`` clients, both secrets of one client in
-        one sum, and the self mask of a client whose current key it already
-        revealed.
+        A pairwise key is derived per sum (HKDF), so it opens that sum's mask
+        only; it is revealed only for a neighbour this client's upload of the
+        sum was masked with. Refuses (:class:`SecureAggregationError`, nothing
+        revealed) a sum of fewer than ``min_survivors`` clients, and both
+        answers for one neighbour in one sum.
         """
         if len(survivors) < self.min_survivors:
             raise SecureAggregationError(
                 f"client {self.cid}: sum {context} has {len(survivors)} survivor(s), fewer than the "
                 f"{self.min_survivors} it reveals shares for (the sum would show each of them); refused")
+        masked_with = self._masked_with.get(context, set())
         asked = []
         for owner in self.neighbours:
             if owner in dropped:
-                what, share_context = "key", None
+                if owner not in masked_with:
+                    continue  # no mask of this sum between the two: nothing to remove
+                what = "pair"
             elif owner in survivors:
-                what, share_context = "self", context
-                if owner in self._key_given:
-                    raise SecureAggregationError(
-                        f"client {self.cid}: asked for the self mask of client {owner} in sum {context}, whose "
-                        f"mask key it revealed in sum {self._key_given[owner]} (client {owner} has no new key "
-                        "since); refused")
+                what = "self"
             else:
                 continue
             if self._answered.get((owner, context), what) != what:
                 raise SecureAggregationError(f"client {self.cid}: the server asked for both secrets of client "
                                              f"{owner} in sum {context}; refused")
-            asked.append((owner, what, share_context))
+            asked.append((owner, what))
         out = {}
-        for owner, what, share_context in asked:  # checked whole first: a refusal reveals nothing
+        for owner, what in asked:  # checked whole first: a refusal reveals nothing
             self._answered[(owner, context)] = what
-            if what == "key":
-                self._key_given.setdefault(owner, context)
-            share = self._held.get((owner, what, share_context))
-            if share is not None:
-                out[owner] = (what, share)
+            if what == "pair":
+                out[owner] = ("pair", _mask_key(self._shared(owner), b"mask", context))
+            else:
+                share = self._held.get((owner, "self", context))
+                if share is not None:
+                    out[owner] = ("self", share)
         return out
 
 
@@ -659,7 +632,8 @@ class SecureServer:
     """What the server does for a secure sum: graph, routing of encrypted shares, unmasking.
 
     It only ever holds public keys, ciphertexts it cannot read, the masked
-    sums, and (after a sum) the shares the survivors reveal.
+    sums, and (after a sum) the self-mask shares and per-sum pairwise keys
+    the survivors reveal.
     """
 
     def __init__(self, seed, degree=None, min_group_size=3):
@@ -668,9 +642,6 @@ class SecureServer:
         self.min_group_size = int(min_group_size)
         self.graph = {}
         self.public = {}
-        self.rebuilt_keys = set()  # clients whose current mask key the server rebuilt: they take a new one next
-        self.pending_keys = {}     # receiver -> {owner: (new public key bundle, its encrypted share)} not yet delivered
-        self.rekeyed = []          # {"sum": context, "client": cid}: who took a new mask key before which sum
 
     def plan(self, groups):
         """groups: group -> member cids. Neighbours are chosen within each group (sums are per group)."""
@@ -688,15 +659,14 @@ class SecureServer:
                 incoming.setdefault(int(receiver), {})[int(sender)] = blob
         return incoming
 
-    def unmask(self, context, masked, survivors, dropped, revealed, public, members=None):
-        """The plain sum of the survivors' encoded entries, from the masked sum and the revealed shares.
+    def unmask(self, context, masked, survivors, dropped, revealed, members=None):
+        """The plain sum of the survivors' encoded entries, from the masked sum and what the survivors revealed.
 
         Parameters
         ----------
         masked : dict key -> uint64 array (the sum of the survivors' uploads)
         survivors, dropped : lists of cids (dropped: after the masks were agreed)
-        revealed : dict revealer -> {owner: (what, share)}
-        public : dict cid -> public key bytes
+        revealed : dict revealer -> {owner: ("self", share) or ("pair", key of this sum's mask between them)}
         members : list of cids, optional
             The clients the self masks were shared among (their threshold is
             over a client's neighbours among them); default: all neighbours.
@@ -720,40 +690,32 @@ class SecureServer:
             holders = None if members is None else [c for c in self.graph.get(cid, []) if c in members]
             secret = self._rebuild(by_owner, cid, "self", holders)
             pairs.append((_mask_key(secret, b"self mask", context), -1))
-        crypto = _crypto()
         for cid in dropped:
-            key_secret = self._rebuild(by_owner, cid, "key", public=public.get(cid))
-            self.rebuilt_keys.add(int(cid))
-            private = crypto.X25519PrivateKey.from_private_bytes(key_secret)
             for other in self.graph.get(cid, []):
                 if other in survivors_set:
-                    mask_public, _ = _public_parts(public[other])
-                    shared = private.exchange(crypto.X25519PublicKey.from_public_bytes(mask_public))
-                    # Survivor `other` added sign(cid - other) PRG(s); take it back out.
-                    pairs.append((_mask_key(shared, b"mask", context), -1 if cid > other else +1))
+                    answer = revealed.get(other, {}).get(cid)
+                    if answer is None or answer[0] != "pair":
+                        raise SecureAggregationError(
+                            f"sum {context}: client {other} did not reveal the key of its mask with client {cid}, "
+                            f"which dropped out after masking: that mask cannot be removed")
+                    # Survivor `other` added sign(cid - other) PRG(key); take it back out.
+                    pairs.append((bytes(answer[1]), -1 if cid > other else +1))
         _add_masks(flat, pairs)
         return {key: flat[a:b].reshape(shapes[key]) for key, (a, b) in offsets.items()}
 
-    def _rebuild(self, by_owner, cid, what, holders=None, public=None):
-        """Client ``cid``'s self-mask seed or mask key from the revealed shares (``public``: its key bundle)."""
+    def _rebuild(self, by_owner, cid, what, holders=None):
+        """Client ``cid``'s self-mask seed from the revealed shares."""
         shares = by_owner.get((cid, what), [])
         k = len(self.graph.get(cid, []) if holders is None else holders)
         t = threshold(k)
         if len(shares) < t:
             raise SecureAggregationError(
-                f"client {cid}: {len(shares)} of its neighbours revealed a share of its "
-                f"{'mask key' if what == 'key' else 'self mask'}, {t} are needed (threshold t = k // 2 + 1 of "
-                f"k = {k} neighbours{'' if holders is None else ' in the sum'}); too many of them dropped out")
+                f"client {cid}: {len(shares)} of its neighbours revealed a share of its self mask, {t} are needed "
+                f"(threshold t = k // 2 + 1 of k = {k} neighbours{'' if holders is None else ' in the sum'}); "
+                f"too many of them dropped out")
         try:
             # Every revealed share is checked against the first t (a share of another secret, or a changed
-            # one, would rebuild a wrong mask and decode garbage); a mask key also against its public key.
-            secret = shamir_combine(shares, t=t)
-            if what == "key" and public is not None:
-                mask_public, _ = _public_parts(public)
-                rebuilt = _crypto().X25519PrivateKey.from_private_bytes(secret).public_key().public_bytes_raw()
-                if rebuilt != mask_public:
-                    raise SecureAggregationError("the rebuilt mask key does not match its public key (tampered)")
+            # one, would rebuild a wrong mask and decode garbage).
+            return shamir_combine(shares, t=t)
         except SecureAggregationError as err:
-            raise SecureAggregationError(f"client {cid}: the revealed shares of its "
-                                         f"{'mask key' if what == 'key' else 'self mask'}: {err}") from None
-        return secret
+            raise SecureAggregationError(f"client {cid}: the revealed shares of its self mask: {err}") from None

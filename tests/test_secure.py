@@ -89,7 +89,7 @@ def test_shares_off_the_polynomial_or_repeated_are_refused(rng):
         shamir_combine(shares[:7] + shares[:1])
 
 
-@pytest.mark.parametrize("what", ["self", "key"])
+@pytest.mark.parametrize("what", ["self"])
 def test_a_tampered_revealed_share_stops_the_unmasking_instead_of_decoding_garbage(rng, what):
     """Before, adding 1 to one revealed share of a self mask gave a sum of 36.8 where 2.49 was right."""
     cids = list(range(8))
@@ -105,7 +105,7 @@ def test_a_tampered_revealed_share_stops_the_unmasking_instead_of_decoding_garba
     kind, (x, y) = revealed[revealer][owner]
     revealed[revealer][owner] = (kind, (x, y + 1))
     with pytest.raises(SecureAggregationError, match=f"client {owner}: the revealed shares of its"):
-        server.unmask((0, 0), {"G": total}, survivors, dropped, revealed, server.public)
+        server.unmask((0, 0), {"G": total}, survivors, dropped, revealed)
 
 
 @pytest.mark.parametrize("n", [3, 10, 100, 1000])
@@ -124,9 +124,8 @@ def _setup(cids, seed=0):
     server = SecureServer(seed)
     server.plan({0: list(cids)})
     server.public = {c: states[c].public_key() for c in cids}
-    outgoing = {c: states[c].set_neighbours({n: server.public[n] for n in server.graph[c]}) for c in cids}
-    for c, incoming in server.route(outgoing).items():
-        states[c].receive_shares(incoming)
+    for c in cids:
+        states[c].set_neighbours({n: server.public[n] for n in server.graph[c]})
     return states, server
 
 
@@ -151,7 +150,7 @@ def test_masks_cancel_and_dropped_clients_masks_are_removed(rng, dropped):
     survivors = [c for c in cids if c not in dropped]
     uploads, total = _masked_sum(states, server, (0, 0), data, survivors, dropped, code)
     revealed = {c: states[c].reveal((0, 0), set(dropped), set(survivors)) for c in survivors}
-    plain = server.unmask((0, 0), {"G": total}, survivors, dropped, revealed, server.public)
+    plain = server.unmask((0, 0), {"G": total}, survivors, dropped, revealed)
     assert np.abs(code.decode(plain["G"]) - sum(data[c] for c in survivors)).max() <= code.error_bound()
     # What the server holds before unmasking says nothing about the data.
     for c in survivors:
@@ -233,8 +232,15 @@ def test_a_value_that_does_not_fit_is_named_by_its_entry_and_nothing_is_returned
     code = FixedPoint(40, 4)
     entries = {"C": rng.standard_normal((3, 2)), "G": rng.standard_normal(2 * CHUNK)}
     entries["G"][CHUNK + 7] = np.nan
-    with pytest.raises(SecureAggregationError, match=r"client 0 G: largest magnitude nan does not fit"):
+    with pytest.raises(SecureAggregationError, match=r"client 0 G: a value is not finite or does not fit the sum's "
+                                                     r"fixed point \(40 fractional bits, 4 clients\)") as err:
         states[0].mask((0, 0), entries, range(4), code=code)
+    assert "nan" not in str(err.value)  # the reason reaches the server: it names the entry, not its values
+    entries["G"][CHUNK + 7] = -1e300
+    states[0].new_self_mask((0, 1))
+    with pytest.raises(SecureAggregationError, match="client 0 G: a value") as err:
+        states[0].mask((0, 1), entries, range(4), code=code)
+    assert "1e+300" not in str(err.value)
 
 
 def test_a_declared_exponent_that_fits_skips_the_scan_and_one_that_does_not_is_refused():
@@ -281,7 +287,7 @@ def test_a_client_never_reveals_both_secrets_of_a_neighbour(rng):
 
 def test_a_tampered_share_is_refused():
     states, server = _setup([0, 1, 2])
-    blob = bytearray(states[0].set_neighbours({1: server.public[1], 2: server.public[2]})[1])
+    blob = bytearray(states[0].new_self_mask((0, 0))[1])
     blob[-1] ^= 1
     with pytest.raises(SecureAggregationError, match="the share from client 0 does not authenticate"):
         states[1].receive_shares({0: bytes(blob)})
@@ -307,7 +313,7 @@ def test_too_many_dropouts_name_the_threshold(rng):
     revealed = {0: states[0].reveal((0, 0), {1, 2, 3}, {0})}
     with pytest.raises(SecureAggregationError, match=r"of its neighbours revealed a share .* are needed .* too many of "
                                                      r"them dropped out"):
-        server.unmask((0, 0), {"G": total}, [0], [1, 2, 3], revealed, server.public)
+        server.unmask((0, 0), {"G": total}, [0], [1, 2, 3], revealed)
 
 
 def test_a_sum_of_too_few_survivors_is_neither_revealed_nor_unmasked(rng):
@@ -323,50 +329,63 @@ def test_a_sum_of_too_few_survivors_is_neither_revealed_nor_unmasked(rng):
         with pytest.raises(SecureAggregationError, match=r"2 survivor\(s\), fewer than the 3 it reveals shares for"):
             states[c].reveal((0, 0), set(dropped), set(survivors))
     with pytest.raises(SecureAggregationError, match=r"2 survivor\(s\), fewer than min_group_size=3; not unmasked"):
-        server.unmask((0, 0), {"G": total}, survivors, dropped, {}, server.public)
+        server.unmask((0, 0), {"G": total}, survivors, dropped, {})
 
 
-def test_a_rebuilt_mask_key_is_replaced_before_its_owner_is_unmasked_again(rng):
-    """Client 3 drops out of sum 1 after masking (the server rebuilds its mask key); in sum 2 it survives.
+def test_a_later_dropout_reveals_nothing_that_unmasks_an_earlier_sum(rng):
+    """Client 3 survives sum A (its self mask is revealed) and drops out of sum B after masking.
 
-    Its neighbours refuse its self mask while its key is the rebuilt one; after it takes a new mask key
-    (relayed with its share) they reveal, the sum is right, and the old key no longer removes its masks.
+    Before, the survivors of B revealed shares of client 3's mask key, the run's: with it and the self
+    mask of A, the server rebuilt client 3's upload of A exactly (an audit's reproducer). Now they reveal
+    only the keys of B's pairwise masks, which B's sum needs and A's upload does not contain.
     """
-    from fedlayer.secure import _mask_key, _public_parts
+    from fedlayer.secure import _mask_key, _public_parts, keystream_words
 
     cids = list(range(8))
     states, server = _setup(cids)
     code = FixedPoint(36, len(cids))
     data = {c: rng.standard_normal(4) for c in cids}
-    survivors = [c for c in cids if c != 3]
-    _, total = _masked_sum(states, server, (0, 0), data, survivors, [3], code)
-    revealed = {c: states[c].reveal((0, 0), {3}, set(survivors)) for c in survivors}
-    server.unmask((0, 0), {"G": total}, survivors, [3], revealed, server.public)
-    assert server.rebuilt_keys == {3}
-    old_public = server.public[3]
-    # Sum 2, client 3 back without a new key: its neighbours refuse to reveal its self mask.
-    uploads, total = _masked_sum(states, server, (1, 0), data, cids, [], code)
-    neighbour = server.graph[3][0]
-    with pytest.raises(SecureAggregationError, match="whose mask key it revealed in sum \\(0, 0\\)"):
-        states[neighbour].reveal((1, 0), set(), set(cids))
-    # Sum 3, after client 3 took a new mask key and its neighbours received it.
-    old_key = states[3]._key_secret
-    public, shares = states[3].rekey()
-    assert _public_parts(public)[1] == _public_parts(old_public)[1]  # the channel key stays
-    for receiver, blob in shares.items():
-        states[receiver].receive_shares({3: blob}, public_keys={3: public})
-    server.public[3] = public
-    _, total = _masked_sum(states, server, (2, 0), data, cids, [], code)
-    revealed = {c: states[c].reveal((2, 0), set(), set(cids)) for c in cids}
-    plain = server.unmask((2, 0), {"G": total}, cids, [], revealed, server.public)
+    uploads_a, total = _masked_sum(states, server, (0, 0), data, cids, [], code)
+    revealed_a = {c: states[c].reveal((0, 0), set(), set(cids)) for c in cids}
+    plain = server.unmask((0, 0), {"G": total}, cids, [], revealed_a)
     assert np.abs(code.decode(plain["G"]) - sum(data.values())).max() <= code.error_bound()
-    # What the server rebuilt in sum 1 no longer gives client 3's pairwise masks.
-    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+    survivors = [c for c in cids if c != 3]
+    _, total = _masked_sum(states, server, (1, 0), data, survivors, [3], code)
+    revealed_b = {c: states[c].reveal((1, 0), {3}, set(survivors)) for c in survivors}
+    plain = server.unmask((1, 0), {"G": total}, survivors, [3], revealed_b)
+    assert np.abs(code.decode(plain["G"]) - sum(data[c] for c in survivors)).max() <= code.error_bound()
+    # What sum B revealed about client 3: one 16-byte key per neighbour, that of B's mask only.
+    about_3 = [answer for shares in revealed_b.values() for owner, answer in shares.items() if owner == 3]
+    assert len(about_3) == len(server.graph[3]) and all(what == "pair" and len(key) == 16 for what, key in about_3)
+    for neighbour in server.graph[3]:
+        shared = states[neighbour]._shared(3)
+        assert revealed_b[neighbour][3][1] == _mask_key(shared, b"mask", (1, 0)) != _mask_key(shared, b"mask", (0, 0))
+    # The server's best attempt on A: client 3's revealed self mask of A and B's pairwise keys leave A's
+    # pairwise masks in, so what it gets does not correlate with client 3's data.
+    self_a = server._rebuild({(3, "self"): [revealed_a[c][3][1] for c in server.graph[3]]}, 3, "self")
+    attempt = uploads_a[3]["G"] - keystream_words(_mask_key(self_a, b"self mask", (0, 0)), 4)
+    for neighbour in server.graph[3]:
+        key, sign = revealed_b[neighbour][3][1], (1 if neighbour > 3 else -1)
+        attempt = attempt - sign * keystream_words(key, 4) if sign > 0 else attempt + keystream_words(key, 4)
+    assert np.abs(code.decode(attempt) - data[3]).min() > 1.0  # 64-bit noise, not client 3's values
+    assert all(len(_public_parts(server.public[c])) == 2 for c in cids)  # the server holds public keys only
 
-    mask_public = _public_parts(server.public[neighbour])[0]
-    stale = X25519PrivateKey.from_private_bytes(old_key).exchange(X25519PublicKey.from_public_bytes(mask_public))
-    assert states[3]._shared(neighbour) == states[neighbour]._shared(3) != stale
-    assert _mask_key(stale, b"mask", (2, 0)) != _mask_key(states[3]._shared(neighbour), b"mask", (2, 0))
+
+def test_a_survivor_that_does_not_reveal_its_pairwise_key_stops_the_unmasking(rng):
+    cids = list(range(6))
+    states, server = _setup(cids)
+    code = FixedPoint(36, len(cids))
+    data = {c: rng.standard_normal(3) for c in cids}
+    survivors = [c for c in cids if c != 2]
+    _, total = _masked_sum(states, server, (0, 0), data, survivors, [2], code)
+    revealed = {c: states[c].reveal((0, 0), {2}, set(survivors)) for c in survivors}
+    silent = server.graph[2][0]
+    del revealed[silent]
+    with pytest.raises(SecureAggregationError, match=f"client {silent} did not reveal the key of its mask with "
+                                                     "client 2, which dropped out after masking"):
+        server.unmask((0, 0), {"G": total}, survivors, [2], revealed)
+    # A neighbour that never masked with the dropped client (it was not in the sum) has nothing to reveal.
+    assert states[silent].reveal((5, 0), {2}, set(survivors)) == {}
 
 
 # ---------------------------------------------------------------------------
@@ -447,9 +466,6 @@ class _FailingClient(Client):
         self._step("secure_reveal", context[0])
         return super().secure_reveal(context, *args, **kwargs)
 
-    def secure_rekey(self):
-        self._step("secure_rekey", None)
-        return super().secure_rekey()
 
 
 def _failing_clients(seed, n_clients, fail):
@@ -466,10 +482,10 @@ def _assert_same_weights(plain, secure):
             assert_close(V, W, np.float64, rtol=1e-9)
 
 
-def test_a_client_that_drops_out_after_masking_takes_a_new_key_before_it_masks_again(rng):
-    # Client 4 fails in its masked upload of layer 1: the server rebuilds its mask key from its
-    # neighbours' shares. It is back in layers 2 and 3, after taking a new key (once); every layer
-    # equals the plain run in which it misses layer 1.
+def test_a_client_that_drops_out_after_masking_is_removed_and_masks_again_later(rng):
+    # Client 4 fails in its masked upload of layer 1: its neighbours reveal the keys of that sum's masks
+    # with it. It is back in layers 2 and 3 with the same keys; every layer equals the plain run in which
+    # it misses layer 1.
     seed = int(rng.integers(2**31))
     plain = run_protocol(InProcessTransport(_failing_clients(seed, 9, {4: {("local_stats", 0)}})), 3,
                          VARIANTS["fedacnnl"], batch_size=7)
@@ -479,11 +495,7 @@ def test_a_client_that_drops_out_after_masking_takes_a_new_key_before_it_masks_a
     _assert_same_weights(plain, secure)
     assert "secure_upload" in secure["rounds"][0]["dropped"]["4"]
     assert [r.get("dropped") for r in secure["rounds"][1:]] == [None, None]
-    assert clients[4].calls.count(("secure_rekey", None)) == 1
-    assert secure["secure"]["rekeyed"] == [{"sum": [1, 0], "client": 4}]
-    assert all(("secure_rekey", None) not in c.calls for c in clients if c.client_id != 4)
-    assert server.rebuilt_keys == set() and server.pending_keys == {}
-    # Its neighbours hold its new key now.
+    assert "rekeyed" not in secure["secure"]
     for other in server.graph[4]:
         assert clients[other]._secure._public[4] == server.public[4] == clients[4]._secure.public_key()
 
@@ -582,10 +594,8 @@ def test_the_server_sees_class_means_in_a_plain_upload_and_noise_in_a_masked_one
     server = SecureServer(seed=1, min_group_size=2)
     server.public = {c.client_id: c.secure_keys()["public"] for c in clients}
     graph = server.plan({0: [c.client_id for c in clients]})
-    outgoing = {c.client_id: c.secure_neighbours({n: server.public[n] for n in graph[c.client_id]})["shares"]
-                for c in clients}
     for c in clients:
-        c.secure_receive(server.route(outgoing).get(c.client_id, {}))
+        c.secure_neighbours({n: server.public[n] for n in graph[c.client_id]})
     bound = target.secure_bound(0, 64, ["G", "C"])
     bits = fraction_bits([bound["exponent"]], len(clients))
     outgoing = {c.client_id: c.secure_self_mask((0, 0))["shares"] for c in clients}
