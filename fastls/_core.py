@@ -854,7 +854,7 @@ class ConvStats:
             return self
         images = np.ascontiguousarray(images)
         targets = np.ascontiguousarray(targets.reshape(images.shape[0], -1) if self.per_image_targets
-                                       else targets.reshape(-1, targets.shape[-1]))
+                                       else targets.reshape(int(np.prod(targets.shape[:-1])), targets.shape[-1]))
         if check_finite:
             # A statistic sums at most this batch's patch rows of products, in the dtype of the images:
             # the bound of _squares_fit (one pass, which also finds NaN/Inf), conservative (a refused batch

@@ -211,6 +211,17 @@ def test_auto_picks_overlap_where_it_pays():
     assert fastls._core._pick_conv_method("auto", (14, 14, 512), (3, 3), (1, 1), (0, 0), False) == "im2col"
 
 
+def test_no_target_columns_still_give_the_gram(rng):
+    """m = 0 per-position targets: the Gram alone (before, a reshape of the empty targets failed)."""
+    x = rng.standard_normal((2, 5, 5, 1))
+    G, C = np.zeros((10, 10)), np.zeros((10, 0))
+    stats = fastls.ConvStats(G, C, (5, 5, 1), 3, append_ones=True, per_image_targets=False, method="im2col")
+    stats.update(x, np.zeros((2, 3, 3, 0)))
+    stats.finish()
+    P = fastls.im2col(x, 3, append_ones=True).reshape(-1, 10)
+    np.testing.assert_allclose(np.triu(G), np.triu(P.T @ P), rtol=1e-12)
+
+
 def test_overlap_refuses_what_it_cannot_do(rng):
     G, C = np.zeros((37, 37)), np.zeros((37, 2))
     images = rng.standard_normal((2, 7, 7, 4))
