@@ -352,7 +352,9 @@ def load_mnist(
     ----------
     data_dir : str, os.PathLike or None, default=None
         Directory to search. The files are looked for in
-        ``data_dir/<variant>/`` and then in ``data_dir/`` itself. With
+        ``data_dir/<variant>/`` and then in ``data_dir/`` itself, unless
+        ``data_dir`` is named after the other variant (``.../mnist`` for
+        Fashion-MNIST, and the reverse). With
         ``None``, ``<dir>/<variant>/`` is searched for every ``dir`` of
         :func:`default_data_dirs`; the bare directories are not, because
         MNIST and Fashion-MNIST files share their names and a stray set in
@@ -382,7 +384,10 @@ def load_mnist(
     if data_dir is None:
         directories = [root / variant for root in default_data_dirs()]
     else:
-        directories = [Path(data_dir) / variant, Path(data_dir)]
+        directories = [Path(data_dir) / variant]
+        # The bare directory, unless its name says it holds the other variant (the same four file names).
+        if Path(data_dir).name.lower() not in set(_MNIST_VARIANTS) - {variant}:
+            directories.append(Path(data_dir))
 
     searched = []
     for directory in directories:
@@ -703,10 +708,19 @@ def make_synthetic(
     although the FedProx paper writes ``N(0, alpha)``; this keeps the data
     statistically identical to the published benchmarks.
 
+    Also as in the reference code, ``alpha`` does not change the labels: the
+    shift ``u_i`` is added to every entry of ``W_i`` and ``b_i``, so it moves
+    every class's logit by the same ``u_i (sum(x) + 1)`` and leaves the argmax
+    as it was. With one seed, Synthetic(0, beta) and Synthetic(alpha, beta)
+    are the same data (checked in the tests); only ``beta`` shapes it. The
+    project keeps the reference's generator so that its Synthetic is the
+    paper's.
+
     Parameters
     ----------
     alpha : float, default=0.5
-        Spread of the users' models around each other (>= 0).
+        Spread of the users' models around each other (>= 0); without effect
+        on the labels, as in the reference code (above).
     beta : float, default=0.5
         Spread of the users' input distributions (>= 0).
     n_users : int, default=100
@@ -829,10 +843,13 @@ def dirichlet_partition(
             proportions = proportions * (sizes < size_cap)
             total = proportions.sum()
             if total <= 0:
-                # Every proportion of a non-full client underflowed to 0 (tiny
-                # beta): share equally among them instead of dividing by 0.
-                proportions = (sizes < size_cap).astype(np.float64)
-                total = proportions.sum()
+                # Every proportion of a non-full client underflowed to 0 (beta
+                # of 1e-5 and below): the whole class goes to one of them, the
+                # small-beta limit of the draw (an equal share among them made
+                # tiny betas the least skewed partitions of all).
+                proportions = np.zeros(n_clients)
+                proportions[rng.choice(np.flatnonzero(sizes < size_cap))] = 1.0
+                total = 1.0
             proportions /= total
             cut_points = (np.cumsum(proportions) * len(indices)).astype(np.int64)[:-1]
             for client, chunk in enumerate(np.split(indices, cut_points)):
@@ -898,8 +915,9 @@ def train_test_split_per_client(
             )
         if indices.size == 0:
             raise ValueError(f"client {client} has no samples; every client needs at least one")
-        # The tiny epsilon keeps e.g. 0.29 * 100 = 28.999999999999996 from rounding down.
-        n_train = max(1, math.floor(train_fraction * indices.size + 1e-9))
+        # The tiny epsilon keeps e.g. 0.29 * 100 = 28.999999999999996 from rounding down; the test set
+        # keeps a sample even when it would round a train_fraction of 0.999999999999 up to all of them.
+        n_train = max(1, min(indices.size - 1, math.floor(train_fraction * indices.size + 1e-9)))
         shuffled = rng.permutation(indices).astype(np.int64, copy=False)
         splits.append((shuffled[:n_train], shuffled[n_train:]))
     return splits

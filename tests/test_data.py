@@ -493,6 +493,18 @@ def test_synthetic_users_differ_in_label_distribution():
     assert np.abs(histograms - histograms.mean(axis=0)).max() > 0.1
 
 
+def test_synthetic_alpha_leaves_the_labels_as_the_reference_code_does():
+    """u_i shifts every logit of user i alike: the argmax, and so the data, do not depend on alpha."""
+    for alpha in (0.0, 50.0):
+        for (x, y), (x0, y0) in zip(make_synthetic(alpha=alpha, beta=0.5, n_users=5, seed=2),
+                                     make_synthetic(alpha=0.5, beta=0.5, n_users=5, seed=2)):
+            np.testing.assert_array_equal(x, x0)
+            np.testing.assert_array_equal(y, y0)
+    moved = make_synthetic(alpha=0.5, beta=5.0, n_users=5, seed=2)
+    assert any(not np.array_equal(x, x0) for (x, _), (x0, _) in
+               zip(moved, make_synthetic(alpha=0.5, beta=0.5, n_users=5, seed=2)))  # beta does shape it
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -535,6 +547,12 @@ def test_dirichlet_partition_small_beta_skews_labels():
 
     assert mean_dominant_share(0.1) > 0.5
     assert mean_dominant_share(1000.0) < 0.2
+    # Betas so small that a class's draw lands wholly on a full client: the class goes to one other client
+    # (before, it was shared equally among all of them, the least skewed partition of all).
+    assert mean_dominant_share(1e-6) >= mean_dominant_share(0.1)
+    parts = dirichlet_partition(labels, n_clients=10, beta=1e-6, min_samples=1, seed=0)
+    assert_is_partition(parts, labels.size)
+    assert all(np.count_nonzero(np.bincount(labels[p], minlength=10)) <= 2 for p in parts)
 
 
 def test_dirichlet_partition_accepts_arbitrary_label_values():
@@ -647,6 +665,9 @@ def test_train_test_split_other_fraction_is_exact_and_seeded():
     np.testing.assert_array_equal(splits[0][0], again[0][0])
     other = train_test_split_per_client(clients, train_fraction=0.29, seed=4)
     assert not np.array_equal(splits[0][0], other[0][0])
+    # A fraction just below 1 still leaves every client of two or more samples a test sample.
+    nearly_all = train_test_split_per_client([np.arange(10), np.arange(2)], train_fraction=1 - 1e-10)
+    assert [(len(train), len(test)) for train, test in nearly_all] == [(9, 1), (1, 1)]
 
 
 @pytest.mark.parametrize("fraction", [0.0, 1.0, -0.5, 1.5])
@@ -663,6 +684,21 @@ def test_train_test_split_rejects_empty_client():
 # --------------------------------------------------------------------------- #
 # load_federated and one_hot
 # --------------------------------------------------------------------------- #
+
+
+def test_a_folder_named_after_the_other_mnist_variant_is_not_searched(tmp_path):
+    """Both variants' files have the same names: --data-dir .../mnist with fashion-mnist loaded MNIST."""
+    from fedlayer.data import load_mnist
+
+    folder = tmp_path / "mnist"
+    folder.mkdir()
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):
+        (folder / name).write_bytes(b"")  # present: the search stops here only if it looks here
+    with pytest.raises(FileNotFoundError, match="fashion-mnist not found"):
+        load_mnist(folder, variant="fashion-mnist")
+    with pytest.raises(ValueError):  # its own variant does look there (and finds the empty files)
+        load_mnist(folder, variant="mnist")
 
 
 def test_load_federated_synthetic():
