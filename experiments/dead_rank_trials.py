@@ -20,21 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
-
-def _job_processes(token):
-    """{pid: (PMI_RANK or None, command line)} of the live processes whose environment holds ``token``."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                environ = (entry / "environ").read_bytes().split(b"\0")
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if f"DEAD_RANK_TRIAL={token}".encode() in environ:
-                rank = next((v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"PMI_RANK=")), None)
-                found[int(entry.name)] = (rank, cmdline)
-    return found
+from fedlayer._rankwatch import processes_with_env
 
 
 def _watching(pid, handles):
@@ -53,7 +39,7 @@ def trial(mpiexec):
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     victim, deadline = None, time.monotonic() + 60
     while victim is None and time.monotonic() < deadline and proc.poll() is None:
-        job = _job_processes(token)
+        job = processes_with_env("DEAD_RANK_TRIAL", token)
         ranks = {rank: pid for pid, (rank, cmdline) in job.items() if "_rankwatch" not in cmdline}
         watcher = [pid for pid, (_, cmdline) in job.items() if "_rankwatch" in cmdline]
         if "2" in ranks and watcher and _watching(watcher[0], 3 + 6):  # stdio + a pidfd and a pipe per rank

@@ -42,6 +42,27 @@ import sys
 import time
 
 
+def processes_with_env(name, value):
+    """{pid: (its PMI_RANK or None, its command line)} of the live processes whose environment sets name=value.
+
+    How the dead-rank tests and ``experiments/dead_rank_trials.py`` find one job's ranks and watcher.
+    """
+    found, wanted = {}, f"{name}={value}".encode()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(os.path.join(entry.path, "environ"), "rb") as f:
+                    environ = f.read().split(b"\0")
+                with open(os.path.join(entry.path, "cmdline"), "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if wanted in environ:
+                rank = next((v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"PMI_RANK=")), None)
+                found[int(entry.name)] = (rank, cmdline)
+    return found
+
+
 def _stat_fields(pid):
     """Fields 3... of /proc/PID/stat (fields[0] is the state), or None when the process is gone."""
     try:

@@ -278,19 +278,9 @@ def test_hung_rank_hits_the_deadline():
 
 def _processes_of_job(token):
     """{pid: (PMI_RANK or None, command line)} of the live processes whose environment holds ``token``."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if f"FEDLAYER_TEST_JOB={token}".encode() in environ:
-            rank = next((v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"PMI_RANK=")), None)
-            found[int(entry.name)] = (rank, cmdline)
-    return found
+    from fedlayer._rankwatch import processes_with_env
+
+    return processes_with_env("FEDLAYER_TEST_JOB", token)
 
 
 def _pidfds(pid):
