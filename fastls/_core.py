@@ -223,14 +223,12 @@ def gram_update(G, X, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
                 f"X contains NaN or Inf (or values whose squares overflow {X.dtype}); expected finite values"
             )
         _kernels.add_upper(G, T)
-        if check_finite and G.dtype == np.float32:
-            _check_accumulated("G", G.diagonal(), "X^T X")  # G + X^T X is PSD when G is: its diagonal bounds it
-        return G
-    if check_finite:
-        _check_gram_input(X, min(n, block_rows) if mixed else n)
-    _gram_into(G, X, mixed, block_rows)
+    else:
+        if check_finite:
+            _check_gram_input(X, min(n, block_rows) if mixed else n)
+        _gram_into(G, X, mixed, block_rows)
     if check_finite and G.dtype == np.float32:
-        _check_accumulated("G", G.diagonal(), "X^T X")
+        _check_accumulated("G", G.diagonal(), "X^T X")  # G + X^T X is PSD when G is: its diagonal bounds it
     return G
 
 
@@ -1212,8 +1210,13 @@ def _pick_conv_method(method, image_shape, kernel_size, stride, padding, per_ima
 _ON_FAILURE = ("raise", "eigh")
 
 
-def _check_solve(G, C, shift, shift_name, meaning, on_failure, overwrite_g, check_finite):
-    """Every check of a solve, before any array is written; returns (G, shift)."""
+def _check_solve(G, C, shift, shift_name, meaning, on_failure, overwrite_g, check_finite, overwrite_c=False, M=None):
+    """Every check of a solve, before any array is written; returns (G, shift).
+
+    ``overwrite_c``: C will be solved into; ``M``: an array the solve reads
+    after G or C is written (the proximal solve's centre). Neither may share
+    memory with what is overwritten.
+    """
     G = _check_system(G, C)
     shift = _check_positive(shift_name, shift, meaning)
     # A shift below the smallest normal number is lost in G's diagonal.
@@ -1223,7 +1226,9 @@ def _check_solve(G, C, shift, shift_name, meaning, on_failure, overwrite_g, chec
     if shift > huge:
         raise ValueError(f"{shift_name} must be at most {huge:g} (the largest {G.dtype}), got {shift!r}")
     if overwrite_g:
-        _check_disjoint("G (overwrite_g=True)", G, C=C)
+        _check_disjoint("G (overwrite_g=True)", G, C=C, M=M)
+    if overwrite_c:
+        _check_disjoint("C (overwrite_c=True)", C, G=G, M=M)
     if on_failure not in _ON_FAILURE:
         raise ValueError(f"on_failure must be one of {_ON_FAILURE}, got {on_failure!r}")
     if on_failure == "eigh" and overwrite_g:
@@ -1367,13 +1372,12 @@ def ridge_solve(G, C, gamma, *, overwrite_g=False, overwrite_c=False, on_failure
     -------
     W : ndarray of shape (d, m), Fortran-ordered, dtype of G
     """
+    # With rhs_basis the solve runs on new coordinates: C is not written, whatever overwrite_c says.
     G, gamma = _check_solve(G, C, gamma, "gamma", "the ridge regularization", on_failure, overwrite_g,
-                            check_finite)
+                            check_finite, overwrite_c=overwrite_c and rhs_basis is None)
     if rhs_basis is not None:
         B, Q = _basis_coordinates("C", C, rhs_basis, G.dtype)
         return _expand(_spd_solve(G, B, gamma, "gamma", overwrite_g, on_failure, "ridge_solve"), Q)
-    if overwrite_c:
-        _check_disjoint("C (overwrite_c=True)", C, G=G)
     rhs = _working_rhs(C, overwrite_c)
     return _spd_solve(G, rhs, gamma, "gamma", overwrite_g, on_failure, "ridge_solve")
 
@@ -1400,18 +1404,14 @@ def proximal_solve(G, C, eps, M, *, overwrite_g=False, overwrite_c=False, on_fai
     -------
     W : ndarray of shape (d, m), Fortran-ordered, dtype of G
     """
-    _check_system(G, C)
+    G, eps = _check_solve(G, C, eps, "eps", "the proximal weight", on_failure, overwrite_g, check_finite,
+                          overwrite_c=overwrite_c, M=M)
     _check_array("M", M, 2)
     if M.shape != C.shape:
         raise ValueError(f"M must have the shape of C {C.shape}, got {M.shape}")
     if M.dtype not in _FLOATS or (M.dtype == np.float64 and G.dtype == np.float32):
         raise TypeError(f"M must be float32 or float64 and not wider than G ({G.dtype}): the solve runs in G's "
                         f"dtype; got M of dtype {M.dtype}")
-    G, eps = _check_solve(G, C, eps, "eps", "the proximal weight", on_failure, overwrite_g, check_finite)
-    if overwrite_g:
-        _check_disjoint("G (overwrite_g=True)", G, M=M)
-    if overwrite_c:
-        _check_disjoint("C (overwrite_c=True)", C, G=G, M=M)
     if check_finite:
         _check_finite("M", _as_input(M))
         if C.size and float(np.abs(C).max()) + eps * float(np.abs(M).max()) > float(np.finfo(G.dtype).max):
