@@ -435,9 +435,8 @@ def _layout(shapes):
 
 
 def _share_plaintext(owner, to, what, context, x, y):
-    """A share and what it is for, as JSON (context: None or a tuple of ints)."""
-    return json.dumps([int(owner), int(to), what, None if context is None else [int(v) for v in context],
-                       int(x), int(y)]).encode()
+    """A share and what it is for, as JSON (context: a tuple of ints)."""
+    return json.dumps([int(owner), int(to), what, [int(v) for v in context], int(x), int(y)]).encode()
 
 
 def _parse_share(plain, sender):
@@ -499,9 +498,8 @@ class SecureClientState:
         self._public = {int(c): bytes(k) for c, k in public_keys.items()}
         self._agreed, self._ciphers = {}, {}
 
-    def _encrypted_shares(self, secret, what, context, holders=None):
-        """Shamir shares of ``secret`` for ``holders`` (default: every neighbour), threshold over their number."""
-        holders = self.neighbours if holders is None else holders
+    def _encrypted_shares(self, secret, what, context, holders):
+        """Shamir shares of ``secret`` for ``holders``, threshold over their number."""
         t = threshold(len(holders))
         shares = shamir_split(secret, len(holders), t)
         out = {}
@@ -679,16 +677,17 @@ class SecureServer:
         flat = np.empty(n_words, dtype=np.uint64)
         for key, (a, b) in offsets.items():
             flat[a:b] = np.asarray(masked[key], dtype=np.uint64).reshape(-1)
-        by_owner = {}
+        self_shares = {}  # owner -> the shares of its self mask the survivors revealed
         for revealer, shares in revealed.items():
             for owner, (what, share) in shares.items():
-                by_owner.setdefault((int(owner), what), []).append(share)
+                if what == "self":
+                    self_shares.setdefault(int(owner), []).append(share)
         survivors_set = set(survivors)
         pairs = []
         members = None if members is None else set(members)
         for cid in survivors:
             holders = None if members is None else [c for c in self.graph.get(cid, []) if c in members]
-            secret = self._rebuild(by_owner, cid, "self", holders)
+            secret = self._rebuild(self_shares.get(cid, []), cid, holders)
             pairs.append((_mask_key(secret, b"self mask", context), -1))
         for cid in dropped:
             for other in self.graph.get(cid, []):
@@ -703,9 +702,8 @@ class SecureServer:
         _add_masks(flat, pairs)
         return {key: flat[a:b].reshape(shapes[key]) for key, (a, b) in offsets.items()}
 
-    def _rebuild(self, by_owner, cid, what, holders=None):
-        """Client ``cid``'s self-mask seed from the revealed shares."""
-        shares = by_owner.get((cid, what), [])
+    def _rebuild(self, shares, cid, holders=None):
+        """Client ``cid``'s self-mask seed from the revealed ``shares`` of it."""
         k = len(self.graph.get(cid, []) if holders is None else holders)
         t = threshold(k)
         if len(shares) < t:

@@ -362,7 +362,7 @@ def test_a_later_dropout_reveals_nothing_that_unmasks_an_earlier_sum(rng):
         assert revealed_b[neighbour][3][1] == _mask_key(shared, b"mask", (1, 0)) != _mask_key(shared, b"mask", (0, 0))
     # The server's best attempt on A: client 3's revealed self mask of A and B's pairwise keys leave A's
     # pairwise masks in, so what it gets does not correlate with client 3's data.
-    self_a = server._rebuild({(3, "self"): [revealed_a[c][3][1] for c in server.graph[3]]}, 3, "self")
+    self_a = server._rebuild([revealed_a[c][3][1] for c in server.graph[3]], 3)
     attempt = uploads_a[3]["G"] - keystream_words(_mask_key(self_a, b"self mask", (0, 0)), 4)
     for neighbour in server.graph[3]:
         key, sign = revealed_b[neighbour][3][1], (1 if neighbour > 3 else -1)
