@@ -149,12 +149,14 @@ def _watch(marker_dir, host, ranks):
         try:
             handles.append(os.pidfd_open(pid))
         except ProcessLookupError:
-            gone.append((rank, pid, None))  # ended before the watcher started
-            handles = handles[:1]
+            gone.append((rank, pid, None))  # ended before the watcher started: its lifeline says nothing more
+            if handles[0] is not None:
+                os.close(handles[0])
+            continue
         except (AttributeError, OSError):
-            handles = handles[:1]  # no pidfds on this system: the lifeline alone, if any
+            pass  # no pidfds on this system: the lifeline alone, if any
         handles = [fd for fd in handles if fd is not None]
-        if not handles and (rank, pid, None) not in gone:
+        if not handles:
             return  # neither can be watched here
         for fd in handles:
             fds[fd] = (rank, pid)
@@ -201,8 +203,10 @@ def _shared_memory_files(pids):
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as f:
-                files.update(line.split(None, 5)[5].strip() for line in f
-                             if len(line.split(None, 5)) == 6 and line.split(None, 5)[5].startswith("/dev/shm/"))
+                for line in f:
+                    fields = line.split(None, 5)  # address, perms, offset, dev, inode, path (if any)
+                    if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                        files.add(fields[5].strip())
         except OSError:
             pass
     return sorted(path for path in files if not path.endswith(" (deleted)"))
