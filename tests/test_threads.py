@@ -173,33 +173,25 @@ def test_environment_with_a_bad_value_is_named():
     assert "'fast'" in out.stderr
 
 
-def _record_threads(monkeypatch, kernel, clock=None, seconds=None):
-    """Log the BLAS thread count of every call of ``_kernels.<kernel>``; with ``clock``, advance it by ``seconds[threads]``."""
-    from fastls import _kernels
-
-    seen = []
-    original = getattr(_kernels, kernel)
-
-    def recording(*args):
-        threads = _kernels.blas_threads()
-        seen.append(threads)
-        if clock is not None:
-            clock.now += seconds[threads]
-        return original(*args)
-
-    monkeypatch.setattr(_kernels, kernel, recording)
-    return seen
-
-
 @pytest.fixture
 def gram_threads(rule, monkeypatch):
     """The BLAS thread count of every Gram product, in call order, under the 1e4 rule."""
+    from fastls import _kernels
+
     fastls.set_flops_per_thread(1e4)
-    return _record_threads(monkeypatch, "gram_same")
+    seen = []
+    gram_same = _kernels.gram_same
+
+    def recording(*args):
+        seen.append(_kernels.blas_threads())
+        return gram_same(*args)
+
+    monkeypatch.setattr(_kernels, "gram_same", recording)
+    return seen
 
 
 class _FakeClock:
-    """perf_counter for fastls._core: each timed kernel call advances it by a time set per thread count."""
+    """perf_counter for fastls._core: each Gram advances it by a time set per thread count."""
 
     def __init__(self):
         self.now = 0.0
@@ -209,27 +201,22 @@ class _FakeClock:
 
 
 @pytest.fixture
-def timed_kernel(rule, monkeypatch):
-    """timed_kernel(name) -> (thread counts seen, seconds per call by thread count, to fill), on a fake clock."""
-    from fastls import _core
+def timed_narrow_grams(gram_threads, monkeypatch):
+    """(gram_threads' record, seconds per call by thread count, to fill) on a fake clock, thread trials fresh."""
+    from fastls import _core, _kernels
 
-    fastls.set_flops_per_thread(1e4)
     fastls.reset_thread_trials()
-    clock = _FakeClock()
+    clock, seconds = _FakeClock(), {}
     monkeypatch.setattr(_core, "time", clock)
+    recording = _kernels.gram_same
 
-    def timed(kernel):
-        seconds = {}
-        return _record_threads(monkeypatch, kernel, clock, seconds), seconds
+    def timed(*args):
+        clock.now += seconds[_kernels.blas_threads()]
+        return recording(*args)
 
-    yield timed
+    monkeypatch.setattr(_kernels, "gram_same", timed)
+    yield gram_threads, seconds
     fastls.reset_thread_trials()
-
-
-@pytest.fixture
-def timed_narrow_grams(timed_kernel):
-    """(thread counts of every Gram, seconds per call by thread count, to fill) on a fake clock, trials fresh."""
-    return timed_kernel("gram_same")
 
 
 @pytest.mark.parametrize("one, two, faster", [(1.0, 1.5, 1), (1.5, 1.0, 2), (1.03, 1.0, 1)],
