@@ -199,12 +199,10 @@ class AnalyticAlgorithm(Algorithm):
                 sorted(cid for cid, group in group_of.items() if group == k)
             files[name] = _model_writer(model, weights, config, members, group=k)
         if self.personalized and config.output:
-            # Each client's personalized layers live only on the client: fetched one client at a time as its file
-            # is written (the transport is still open then). At full DCNN width a client's layers take 245 MB,
-            # so the hundred clients' together would not fit in memory (a full-width run was OOM-killed so).
+            # Each client's personalized layers live only on the client, which writes its own file (under mpiexec,
+            # its rank): personalization moves no bytes, and the weights never reach the server.
             for cid in transport.client_ids:
-                files[f"personalized/client{cid}.npz"] = _personal_writer(model, transport, cid, config,
-                                                                           group_of[cid])
+                files[f"personalized/client{cid}.npz"] = _personal_writer(transport, cid, config, group_of[cid])
         return Outcome(
             rounds=outcome["rounds"], accuracy=outcome["accuracy"],
             results={"groups": outcome["groups"],
@@ -214,14 +212,22 @@ class AnalyticAlgorithm(Algorithm):
         )
 
 
-def _personal_writer(model, transport, cid, config, group):
-    """A writer of client ``cid``'s personalized model that fetches its weights when called."""
+def _personal_writer(transport, cid, config, group):
+    """A writer of client ``cid``'s personalized model: the client writes it, on its side of the transport."""
 
     def write(path):
-        for _, result in transport.call("final_weights", {cid: {}}):
-            _model_writer(model, result["weights"], config, [cid], group=group)(path)
+        for _ in transport.call("save_personalized", {cid: {"path": str(path),
+                                                            "metadata": _model_metadata(config, [cid], group)}}):
+            pass  # only the bytes written come back
 
     return write
+
+
+def _model_metadata(config, clients, group):
+    """What a saved model records besides its weights: the run's settings, and the split and clients to score it on."""
+    return {"algorithm": config.algorithm, "gamma": config.gamma,
+            **({"gamma_output": config.gamma_output} if config.gamma_output is not None else {}),
+            "eps": config.eps, "group": group, "clients": clients, "split": config.split()}
 
 
 def _model_writer(model, weights, config, clients, group):
@@ -231,10 +237,7 @@ def _model_writer(model, weights, config, clients, group):
         trained = model.copy()
         for index, W in zip(trained.trainable, weights):
             trained.layers[index].set_weights(W)
-        trained.save(path, metadata={"algorithm": config.algorithm, "gamma": config.gamma,
-                                     **({"gamma_output": config.gamma_output} if config.gamma_output is not None
-                                        else {}),
-                                     "eps": config.eps, "group": group, "clients": clients, "split": config.split()})
+        trained.save(path, metadata=_model_metadata(config, clients, group))
 
     return write
 

@@ -319,6 +319,7 @@ class Client:
         self.encoders = label_encoders(self.seed, self.n_classes, encoder_widths(self.model, conv_targets))
         self.bases = target_bases(self.model, self.seed, conv_targets)
         self.meta_weights = {}  # position -> the group's meta-model weights, kept for personalization
+        self.personal_choices = {}  # position -> what a private personalization chose (eps, form): kept here
         self.cache_ram_bytes = int(cache_ram_bytes)
         self._cache_dir = Path(cache_dir) if cache_dir is not None else None
         if self._cache_dir is not None:
@@ -620,11 +621,12 @@ class Client:
         self._secure.set_neighbours(public_keys)
         return {}
 
-    def secure_receive(self, shares):
-        """Encrypted self-mask shares addressed to this client (sender cid -> bytes), relayed by the server."""
+    def secure_receive(self, shares, context=None):
+        """Encrypted self-mask shares of sum ``context`` addressed to this client (sender cid -> bytes), relayed
+        by the server; returns the senders whose share it could not open ("reports": sender -> why)."""
         start = time.perf_counter()
-        self._secure.receive_shares(shares)
-        return {"compute_s": time.perf_counter() - start}
+        reports = self._secure.receive_shares(shares, context)
+        return {"compute_s": time.perf_counter() - start, "reports": reports}
 
     def secure_bound(self, position, batch_size, summed, round_index=0, target_moments=False, upper=(),
                      coordinates=False):
@@ -645,7 +647,8 @@ class Client:
         kept = {key: result.pop(key) for key in summed if key in result}
         kept.update({key: pack_upper(kept[key]) for key in upper if key in kept})
         exponent = magnitude_exponent(kept.values())
-        self._secure_pending[position] = kept, exponent
+        # Only this position's statistics are kept: those of a sum this client was excluded from go now.
+        self._secure_pending = {position: (kept, exponent)}
         # The packing and the exponent are the protocol's work: counted with the statistics' time.
         result["compute_s"] += time.perf_counter() - start
         return {**result, "exponent": exponent}
@@ -657,11 +660,16 @@ class Client:
         return {"shares": shares, "compute_s": time.perf_counter() - start}
 
     def secure_upload(self, position, context, frac_bits, n_terms, members):
-        """Second half: the kept statistics in fixed point, masked (only their sum over ``members`` decodes)."""
+        """Second half: the kept statistics in fixed point, masked (only their sum over ``members`` decodes).
+
+        The statistics stay until :meth:`secure_reveal` (or the next
+        :meth:`secure_bound`): a sum whose survivors the server may not
+        unmask is masked again, under a new ``context``, over fewer clients.
+        """
         from .secure import FixedPoint
 
         start = time.perf_counter()
-        kept, exponent = self._secure_pending.pop(position)
+        kept, exponent = self._secure_pending[position]
         with fastls.limit_cores(self.cores):  # the masks' threads stay within the client's cores
             masked = self._secure.mask(context, kept, members, code=FixedPoint(frac_bits, n_terms), exponent=exponent)
         return {**masked, "compute_s": time.perf_counter() - start}
@@ -671,6 +679,7 @@ class Client:
         surviving ones."""
         start = time.perf_counter()
         shares = self._secure.reveal(context, set(dropped), set(survivors))
+        self._secure_pending.pop(context[0], None)
         return {"shares": shares, "compute_s": time.perf_counter() - start}
 
     def set_weights(self, position, weights):
@@ -681,7 +690,7 @@ class Client:
         self.meta_weights[position] = weights
         return {}
 
-    def personalize(self, position, eps, batch_size):
+    def personalize(self, position, eps, batch_size, private=False):
         """Local personalization of one layer (eq. 13), through this client's own earlier layers.
 
         The proximal problem is solved in whichever form costs fewer flops
@@ -695,10 +704,18 @@ class Client:
         fit in ``scratch_bytes`` (one thin SVD of the rows, which then also
         gives the solution), else by GCV from the statistics (one
         eigendecomposition of G). The result records ``eps`` and the criterion.
+
+        ``private``: return the busy time only (what the server learns of a
+        client anyway); what was chosen (eps, criterion, primal or dual form)
+        stays in :attr:`personal_choices`, written with the client's model
+        (:meth:`save_personalized`).
         """
         with self._resident():
             W, result = self._personalize(position, eps, batch_size)
             self._install_personal(self.model.trainable[position], np.ascontiguousarray(W, dtype=self.model.dtype))
+        if private:
+            self.personal_choices[position] = {key: result[key] for key in ("eps", "method", "form") if key in result}
+            return {"compute_s": result["compute_s"]}
         return result
 
     def _personalize(self, position, eps, batch_size):
@@ -788,6 +805,21 @@ class Client:
         return {"correct": correct, "total": total}
 
     def final_weights(self):
-        """Weights of every trainable layer (for checks and saving)."""
+        """Weights of every trainable layer (for checks in this process; a run never sends them anywhere)."""
         with self._resident():
             return {"weights": [self.model.layers[i].weights for i in self.model.trainable]}
+
+    def save_personalized(self, path, metadata):
+        """Write this client's personalized model to ``path`` here, on the client's side of the transport.
+
+        Personalization moves no bytes: the weights never go to the server
+        (under ``mpiexec``, the rank hosting this client writes the file).
+        ``metadata`` (JSON-able) is stored with the model, with what this
+        client chose per layer if it personalized privately. Returns the
+        bytes written only.
+        """
+        with self._resident():
+            if self.personal_choices:
+                metadata = {**metadata, "personalization": {str(p): c for p, c in sorted(self.personal_choices.items())}}
+            self.model.save(path, metadata=metadata)
+        return {"bytes": os.path.getsize(path)}

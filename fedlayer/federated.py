@@ -29,7 +29,7 @@ import numpy as np
 
 import fastls
 
-from .secure import FixedPoint, SecureAggregationError, fraction_bits
+from .secure import FixedPoint, SecureAggregationError, admissible, choose_contributors, components, fraction_bits
 from .timing import Clock, RoundLog, payload_bytes
 from .transport import Sum, overall_accuracy, unpack_upper
 
@@ -174,89 +174,146 @@ def _secure_setup(transport, secure, group_of):
     return sum(map(len, publics.values()))
 
 
-def _relay(transport, secure, outgoing, cids):
-    """Deliver encrypted shares (sender -> {receiver: bytes}) to ``cids``.
+def _relay(transport, secure, outgoing, members, context):
+    """Deliver encrypted shares (sender -> {receiver: bytes}) to the senders, along the neighbour graph only.
 
-    Returns (each receiver's seconds receiving, receiver -> why it failed).
+    ``members``: the clients the sum's self masks were shared among (a share
+    to one of them that has failed since is simply not delivered).
+
+    Returns (each receiver's seconds receiving, cid -> why it is out of the
+    sum). A sender whose shares went off the graph, or whose share a
+    receiver could not open, is the one out; the receiver stays (else any
+    client could remove a chosen neighbour from a chosen sum).
     """
-    incoming = secure.route(outgoing)
-    done = transport.sum("secure_receive", {c: {"shares": incoming.get(c, {})} for c in cids}, ())
-    return {cid: r["compute_s"] for cid, r in done.receipts.items()}, done.dropped
+    incoming, offenders = secure.route(outgoing, members)
+    out = _dropped_in("secure_self_mask", offenders)
+    done = transport.sum("secure_receive", {c: {"shares": incoming.get(c, {}), "context": context}
+                                            for c in sorted(outgoing)}, ())
+    for receiver, receipt in sorted(done.receipts.items()):
+        for sender, why in sorted(receipt.get("reports", {}).items()):
+            out.setdefault(int(sender), f"secure_self_mask: reported by client {receiver}: {why}")
+    out.update(_dropped_in("secure_receive (self-mask shares)", done.dropped))
+    return {cid: r["compute_s"] for cid, r in done.receipts.items()}, out
 
 
 def _dropped_in(step, dropped):
     return {cid: f"{step}: {why}" for cid, why in dropped.items()}
 
 
-def _secure_sum(transport, secure, args, context, stat_dtype):
+#: Maskings of one sum: when failures after the contributors were chosen leave survivors the rules forbid
+#: unmasking, the survivors mask again (fresh self masks, a new context) over an admissible set of them.
+SECURE_ATTEMPTS = 3
+#: Why a client able to take part was left out of a sum (recorded in the round's ``dropped``).
+EXCLUDED = ("secure: excluded from this sum as if it had dropped (a group's unmasked sums have the same contributors "
+            "or contributors at least min_group_size={m} clients apart, and no component of their neighbour graph "
+            "below min_group_size)")
+
+
+def _secure_sum(transport, secure, args, context, stat_dtype, history=()):
     """A group's sums by the secure protocol (fedlayer.secure); returns (Sum with float totals, withheld).
 
     1. each client computes its statistics and declares their magnitude exponent
        (a client that fails here has not masked anything: it simply drops out);
-    2. the server fixes the fixed-point scale; the remaining clients share a
-       fresh self mask with their neighbours and upload masked words; a client
-       that fails before its upload is left out of the masks, one that fails
-       in it is a dropout whose pairwise masks of this sum the survivors
-       reveal the keys of;
-    3. the survivors reveal what the server needs to remove the masks (a
-       survivor that fails to answer withholds its own self-mask shares, which
-       the threshold covers, but a survivor that masked with a dropped client
-       must answer, or the sum cannot be unmasked).
+    2. the server chooses the contributors among the others
+       (:func:`fedlayer.secure.choose_contributors`): no component of their
+       neighbour graph below ``secure.min_group_size``, and a set equal to or
+       at least ``min_group_size`` clients away from each of the group's
+       earlier unmasked sums (``history``); the rest are excluded as if they
+       had dropped before masking, and nothing of theirs is revealed;
+    3. the server fixes the fixed-point scale; the contributors share a fresh
+       self mask with their neighbours among them (forwarded along the graph
+       only; a sender whose share a receiver cannot open is dropped) and
+       upload masked words; a client that fails before its upload is left out
+       of the masks, one that fails in it is a dropout whose pairwise masks of
+       this sum the survivors reveal the keys of;
+    4. if the survivors still keep the rules, they reveal what the server needs
+       to remove the masks (a survivor that fails to answer withholds its own
+       self-mask shares, which the threshold covers, but a survivor that
+       masked with a dropped client must answer, or the sum cannot be
+       unmasked); if not, nothing is revealed and the survivors mask again
+       over an admissible set of them (up to :data:`SECURE_ATTEMPTS` times).
 
-    ``withheld`` is None, or why the sum was not unmasked: fewer survivors
-    than ``secure.min_group_size`` (the Sum then has no totals).
+    The Sum's receipts are the contributors of the unmasked sum. ``withheld``
+    is None, or why the sum was not unmasked (the Sum then has no totals).
     """
-
+    m = secure.min_group_size
     bound = transport.sum("secure_bound", {c: {**kwargs, "summed": list(UPLOADED), "upper": list(_UPPER)}
                                            for c, kwargs in args.items()}, ())
     alive = sorted(bound.receipts)
-    dropped_before = dict(bound.dropped)
+    failed = dict(bound.dropped)  # cid -> why it is out of the sum (its own failure, or a misbehaviour)
     protocol_s = dict.fromkeys(alive, 0.0)  # each client's time in the protocol's own steps
+    sent = dict.fromkeys(alive, 0)  # bytes of the self-mask shares each client sent
+    uploaded = {}  # bytes of the masked words each client uploaded, over the maskings of this sum
     if not alive:
-        return Sum({}, {}, {}, dropped_before), None
-    n_terms = len(alive)
-    frac_bits = fraction_bits([bound.receipts[c]["exponent"] for c in alive], n_terms)
-    shared_among = list(alive)  # the self masks' shares go to the neighbours still in the sum
-    self_masks = transport.sum("secure_self_mask", {c: {"context": context, "members": shared_among} for c in alive},
-                               ())
-    dropped_before.update(_dropped_in("secure_self_mask", self_masks.dropped))
-    outgoing = {}
-    for cid, r in self_masks.receipts.items():
-        outgoing[cid] = r["shares"]
-        protocol_s[cid] += r["compute_s"]
-    seconds, failed = _relay(transport, secure, outgoing, sorted(outgoing))
-    for cid, value in seconds.items():
-        protocol_s[cid] += value
-    dropped_before.update(_dropped_in("secure_receive (self-mask shares)", failed))
-    alive = [c for c in alive if c not in dropped_before]
+        return Sum({}, {}, {}, failed), None
     position = args[next(iter(args))]["position"]
-    upload = transport.sum("secure_upload", {c: {"position": position, "context": context, "frac_bits": frac_bits,
-                                                 "n_terms": n_terms, "members": alive} for c in alive},
-                           UPLOADED, dtype=np.uint64)
-    survivors, dropped = sorted(upload.receipts), sorted(upload.dropped)
-    outcome = Sum({}, {}, {}, {**dropped_before, **_dropped_in("secure_upload", upload.dropped)}, upload.transport)
+    history = [frozenset(p) for p in history]
+    withheld = None
+    for attempt in range(SECURE_ATTEMPTS):
+        sum_context = context if attempt == 0 else (*context, attempt)
+        able = [c for c in alive if c not in failed]
+        # Fewer than the minimum: masked anyway and withheld below (so is a lone client's failure named).
+        chosen = able if len(able) < m else choose_contributors(able, secure.graph, history, m)
+        if chosen is None:
+            withheld = (f"no set of the {len(able)} clients able to take part keeps the secure sums' rules "
+                        f"(min_group_size={m}): not unmasked")
+            break
+        n_terms = len(chosen)
+        frac_bits = fraction_bits([bound.receipts[c]["exponent"] for c in chosen], n_terms)
+        self_masks = transport.sum("secure_self_mask", {c: {"context": sum_context, "members": chosen}
+                                                        for c in chosen}, ())
+        failed.update(_dropped_in("secure_self_mask", self_masks.dropped))
+        outgoing = {}
+        for cid, r in self_masks.receipts.items():
+            outgoing[cid] = r["shares"]
+            protocol_s[cid] += r["compute_s"]
+            sent[cid] += sum(len(blob) for blob in r["shares"].values())
+        seconds, out = _relay(transport, secure, outgoing, chosen, sum_context)
+        for cid, value in seconds.items():
+            protocol_s[cid] += value
+        for cid, why in out.items():
+            failed.setdefault(cid, why)
+        members = [c for c in chosen if c not in failed]
+        upload = transport.sum("secure_upload", {c: {"position": position, "context": sum_context,
+                                                     "frac_bits": frac_bits, "n_terms": n_terms, "members": members}
+                                                 for c in members}, UPLOADED, dtype=np.uint64)
+        failed.update(_dropped_in("secure_upload", upload.dropped))
+        survivors, dropped = sorted(upload.receipts), sorted(upload.dropped)
+        for cid in survivors:
+            protocol_s[cid] += upload.receipts[cid]["compute_s"]
+        for cid in survivors:
+            uploaded[cid] = uploaded.get(cid, 0) + upload.up_bytes[cid]
+        if len(survivors) < m or admissible(survivors, secure.graph, history, m):
+            break
+    outcome = Sum({}, {}, {}, {}, upload.transport if chosen is not None else {})
+    excluded = [c for c in alive if c not in failed and (chosen is None or c not in survivors)]
+    outcome.dropped = {**failed, **dict.fromkeys(excluded, EXCLUDED.format(m=m))}
+    if chosen is None:
+        return outcome, withheld
     revealed_bytes = {}
     for cid in survivors:
         receipt = dict(bound.receipts[cid])
-        receipt["compute_s"] += upload.receipts[cid]["compute_s"] + protocol_s[cid]
+        receipt["compute_s"] += protocol_s[cid]
         receipt["frac_bits"] = frac_bits
         outcome.receipts[cid] = receipt
     if not survivors:
         return outcome, None
-    withheld = None
-    if len(survivors) < secure.min_group_size:
+    if len(survivors) < m:
         withheld = (f"{len(survivors)} survivor(s) of the secure sum, fewer than min_group_size="
-                    f"{secure.min_group_size}: not unmasked")
+                    f"{m}: not unmasked")
+    elif not admissible(survivors, secure.graph, history, m):
+        withheld = (f"the {len(survivors)} survivors of {SECURE_ATTEMPTS} maskings break the secure sums' rules "
+                    f"(min_group_size={m}): not unmasked")
     else:
-        reveal = transport.sum("secure_reveal", {c: {"context": context, "dropped": dropped, "survivors": survivors}
-                                                 for c in survivors}, ())
+        reveal = transport.sum("secure_reveal", {c: {"context": sum_context, "dropped": dropped,
+                                                     "survivors": survivors} for c in survivors}, ())
         revealed = {}
         for cid, r in reveal.receipts.items():
             revealed[cid] = r["shares"]
             outcome.receipts[cid]["compute_s"] += r["compute_s"]
             revealed_bytes[cid] = len(pickle.dumps(r["shares"], protocol=pickle.HIGHEST_PROTOCOL))
         outcome.dropped.update(_dropped_in("secure_reveal (its upload is in the sum)", reveal.dropped))
-        words = secure.unmask(context, upload.totals, survivors, dropped, revealed, shared_among)
+        words = secure.unmask(sum_context, upload.totals, survivors, dropped, revealed, chosen)
         code = FixedPoint(frac_bits, n_terms)
         totals = {key: code.decode(w) for key, w in words.items()}
         totals.update({key: unpack_upper(totals[key]) for key in _UPPER if key in totals})
@@ -268,8 +325,7 @@ def _secure_sum(transport, secure, args, context, stat_dtype):
     for cid in survivors:
         # The masked words, plus the protocol's own messages: the self-mask shares it sent and the shares it
         # revealed (pickled, as they travel under MPI).
-        outcome.up_bytes[cid] = (upload.up_bytes[cid] + sum(len(blob) for blob in outgoing[cid].values())
-                                 + revealed_bytes.get(cid, 0))
+        outcome.up_bytes[cid] = uploaded[cid] + sent[cid] + revealed_bytes.get(cid, 0)
     return outcome, withheld
 
 
@@ -447,9 +503,15 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         group_of = {cid: 0 for cid in cids}
     n_groups = max(group_of.values()) + 1
     secure_record = None
+    # Secure sums: per group, the contributor sets of its unmasked sums and of their graph components (the
+    # sums the server can decode), which every later sum of the group must equal or keep min_group_size away from.
+    learned = {k: [] for k in range(n_groups)}
     if secure is not None:
         secure_record = {"setup_bytes": _secure_setup(transport, secure, group_of),
                          "neighbours": {str(cid): len(nb) for cid, nb in sorted(secure.graph.items())}}
+        for record in rounds:  # resumed: the sums already unmasked bind the layers still to come
+            for k, parts in record.get("contributors", {}).items():
+                learned[int(k)] += [frozenset(sorted(c for part in parts for c in part)), *map(frozenset, parts)]
 
     # -- federated optimization stage ---------------------------------------
     batch = dict(first_batch)
@@ -478,6 +540,7 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         # total of the other groups' sums (those are unmasked anyway), so that total is kept.
         keep_total = secure is not None and n_groups > 1
         withheld = {}  # group -> why its secure sum was not unmasked
+        contributors = {}  # group -> the components of its unmasked secure sum (what the server decoded)
 
         def install(k, W):
             weights[k] = _shareable(W, weights_dtype)
@@ -494,7 +557,8 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         # The transport returns each group's sums only (never one client's statistics), a group at a time.
         stream = None
         if secure is not None:
-            group_sums = ((k, *_secure_sum(transport, secure, args, (position, k), stat_dtype)) for k, args in group_args)
+            group_sums = ((k, *_secure_sum(transport, secure, args, (position, k), stat_dtype, learned[k]))
+                          for k, args in group_args)
         else:
             stream = transport.sum_groups("local_stats", group_args, UPLOADED, dtype=stat_dtype, upper=_UPPER)
             group_sums = ((k, outcome, None) for k, outcome in stream)
@@ -526,6 +590,10 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
                                                 f"({len(outcome.dropped)}: {sorted(outcome.dropped)}); "
                                                 + "; ".join(list(kinds.values())[:3]))
                     continue
+                if secure is not None:
+                    survivors = sorted(outcome.receipts)
+                    contributors[k] = components(secure.graph, survivors)
+                    learned[k] += [frozenset(survivors), *map(frozenset, contributors[k])]
                 G_sum, C_sum = outcome.totals["G"], outcome.totals["C"]
                 if coordinates:
                     C_sum = _targets_cross(C_sum, basis, position)
@@ -589,7 +657,11 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
         set_args = {cid: {"position": position, "weights": weights[group_of[cid]]} for cid in cids}
         for cid, _ in transport.call("set_weights", set_args):
             log.sent(cid, weights[group_of[cid]].nbytes + 8)  # the weights and the next batch size
-        rounds.append(log.record(_timed_accuracy(log, transport, evaluated(position + 1))))
+        record = log.record(_timed_accuracy(log, transport, evaluated(position + 1)))
+        if contributors:
+            # Anyone can check the differencing rule from the run's record (docs/design.md, "Secure sums").
+            record["contributors"] = {str(k): parts for k, parts in sorted(contributors.items())}
+        rounds.append(record)
         if checkpoint is not None:
             from .checkpoint import save_checkpoint
 
@@ -602,7 +674,9 @@ def run_protocol(transport, n_layers, variant: Variant, *, gamma=100.0, eps=2500
     if variant.personalize:
         for position in range(n_layers):
             log = RoundLog("personalization", position, clock)
-            args = {cid: {"position": position, "eps": eps, "batch_size": max_batch[cid]} for cid in cids}
+            # Secure runs: the server learns each client's busy time only, not what it chose (eps, form).
+            args = {cid: {"position": position, "eps": eps, "batch_size": max_batch[cid],
+                          **({"private": True} if secure is not None else {})} for cid in cids}
             # A sum of nothing: the transport's per-client receipts and dropouts, so a client whose local
             # step raises keeps its group's layer (recorded in `dropped`) instead of ending the run.
             outcome = transport.sum("personalize", args, keys=())

@@ -42,12 +42,28 @@ neighbours of its group instead of all of them, so the work grows as n log n.
   reveals nothing for such a sum, and the server does not ask
   (:func:`fedlayer.federated.run_protocol` solves that group's layer on
   the other groups' sums instead).
+* **Who contributes.** Every layer's C holds the contributors' class counts in
+  its bias row, so two unmasked sums of a group whose contributors differ by
+  one client give that client's class histogram. The server chooses each
+  sum's contributors (:func:`choose_contributors`) so that any two unmasked
+  sums of a group have the same contributors or contributors at least
+  ``min_group_size`` apart, and so that no component of their neighbour
+  graph is smaller than that (the pairwise masks cancel inside a component:
+  its sum could be decoded alone); the others are left out before masking,
+  as if they had dropped. :meth:`SecureServer.unmask` refuses a split graph
+  and each client refuses to reveal for a sum too close to one it revealed
+  for. The graph's degree (:func:`secagg_degree`) keeps the survivors
+  connected at dropout rates up to :data:`SUPPORTED_DROPOUT`.
+* **Misbehaving clients.** The server forwards a share only along an edge of
+  the graph; a client that cannot open a share reports its sender, which is
+  dropped from the sum, and stays in it.
 
-What the server still learns: the sum per group (the protocol's output), each
-client's sample count and busy time (eq. 7 needs them), and each client's
-magnitude exponent per sum (an integer: the power of two above its largest
-statistic). The label summaries h_i used for clustering are not protected by
-this module (see ``docs/design.md``).
+What the server still learns: the sum per group and connected component
+(the protocol's output) with its contributors, each client's sample count and
+busy time (eq. 7 needs them), and each client's magnitude exponent per sum
+(an integer: the power of two above its largest statistic). The label
+summaries h_i used for clustering are not protected by this module (see
+``docs/design.md``).
 
 The client side is :class:`SecureClientState` (held by each client, never by
 the server); the server side is :class:`SecureServer`.
@@ -66,7 +82,8 @@ from types import SimpleNamespace
 import numpy as np
 
 __all__ = ["class_means_from_upload", "FixedPoint", "fraction_bits", "neighbour_graph", "threshold", "shamir_split", "shamir_combine",
-           "SecureClientState", "SecureServer", "PRIME", "SecureAggregationError"]
+           "SecureClientState", "SecureServer", "PRIME", "SecureAggregationError", "choose_contributors", "close_pairs",
+           "components", "admissible", "secagg_degree", "split_bound"]
 
 #: Shamir shares live in GF(p) for the Mersenne prime 2^521 - 1 (any 32-byte secret fits).
 PRIME = 2**521 - 1
@@ -224,18 +241,139 @@ def magnitude_exponent(arrays):
 # SecAgg+ neighbour graph and Shamir sharing
 # ---------------------------------------------------------------------------
 
+#: The dropout rate per client and sum the default graph degree is made for (``--drop-clients`` up to it).
+SUPPORTED_DROPOUT = 0.2
+#: The chance per sum, at that rate, that the survivors' graph splits, which the default degree stays below.
+SPLIT_FAILURE = 1e-6
+
+
+def split_bound(n, degree, dropout):
+    """Upper bound on the chance that the survivors' part of the Harary graph is disconnected.
+
+    Each of ``n`` clients drops independently with probability ``dropout``.
+    On the ring of :func:`neighbour_graph` each client is joined to the
+    h = degree // 2 nearest on either side, so consecutive survivors are
+    joined unless at least h clients between them all dropped; a survivor
+    beyond such a gap is farther still. The survivors' graph therefore splits
+    only where two disjoint runs of h dropped clients cut the ring: at most
+    n^2 / 2 pairs of starting positions, each all dropped with probability
+    dropout^(2h). A complete graph (degree n - 1) never splits.
+    """
+    if degree >= n - 1:
+        return 0.0
+    return min(1.0, n * n / 2 * float(dropout) ** (2 * (degree // 2)))
+
+
+def secagg_degree(n, dropout=SUPPORTED_DROPOUT, failure=SPLIT_FAILURE):
+    """The SecAgg+ degree of a group of ``n``: at least 2 ceil(log2 n), and enough that :func:`split_bound` <= ``failure``.
+
+    For 100 clients at a dropout rate of 0.2 both give 14; for the 10-13
+    clients of a pFedACnnL group the bound asks for 12 or more, so those
+    groups get the complete graph (degree n - 1).
+    """
+    if n <= 1:
+        return 0
+    degree = 2 * math.ceil(math.log2(n))
+    while degree < n - 1 and split_bound(n, degree, dropout) > failure:
+        degree += 2
+    return min(n - 1, max(2, degree))
+
+
+def components(graph, members):
+    """The connected components of ``graph`` (cid -> neighbours) restricted to ``members``, each a sorted list.
+
+    Components are listed by their smallest member. The server can decode
+    the sum of each one separately (the pairwise masks cancel inside it), so
+    each is a sum it learns.
+    """
+    members = set(int(c) for c in members)
+    seen, parts = set(), []
+    for start in sorted(members):
+        if start in seen:
+            continue
+        seen.add(start)
+        part, frontier = [start], [start]
+        while frontier:
+            cid = frontier.pop()
+            for other in graph.get(cid, ()):
+                if other in members and other not in seen:
+                    seen.add(other)
+                    part.append(other)
+                    frontier.append(other)
+        parts.append(sorted(part))
+    return parts
+
+
+def close_pairs(sets, min_size):
+    """Pairs (i, j), i < j, of ``sets`` that differ by 1 to ``min_size`` - 1 clients (symmetric difference).
+
+    The difference of two such sums is the statistics of those few clients
+    (of one, when a set is the other less one client): the server must
+    never unmask both.
+    """
+    sets = [frozenset(s) for s in sets]
+    return [(i, j) for i in range(len(sets)) for j in range(i + 1, len(sets))
+            if 0 < len(sets[i] ^ sets[j]) < min_size]
+
+
+def admissible(candidate, graph, history, min_size):
+    """Whether unmasking a sum over ``candidate`` keeps every rule: components of at least ``min_size``, each
+    (and the whole) equal to or at least ``min_size`` clients away from every set in ``history``."""
+    parts = components(graph, candidate)
+    if not candidate or any(len(part) < min_size for part in parts):
+        return False
+    learned = {frozenset(candidate), *map(frozenset, parts)}
+    return all(s == p or len(s ^ p) >= min_size for s in learned for p in history)
+
+
+def choose_contributors(alive, graph, history, min_size):
+    """The clients whose sum the server may unmask, out of those able to take part (``alive``); None if none.
+
+    The rules (docs/design.md, "Secure sums"): every connected component of
+    the contributors' neighbour graph has at least ``min_size`` clients, and
+    the contributors (and each component) are equal to, or differ by at
+    least ``min_size`` clients from, every set of the group's earlier
+    unmasked sums (``history``). The others are excluded as if they had
+    dropped before masking: they mask nothing, so nothing of theirs is
+    revealed. Largest admissible set wins: the greedy removal below (the
+    client whose removal leaves the fewest broken rules, ties by id) or an
+    earlier contributor set still alive (preferred at equal size: it tells
+    the server nothing new).
+    """
+    history = [frozenset(p) for p in history]
+    alive = frozenset(int(c) for c in alive)
+    candidates = [p for p in set(history) if p <= alive and admissible(p, graph, history, min_size)]
+    current = set(alive)
+
+    def broken(members):
+        parts = components(graph, members)
+        small = sum(len(part) for part in parts if len(part) < min_size)
+        learned = {frozenset(members), *map(frozenset, parts)}
+        return small + sum(1 for s in learned for p in history if s != p and len(s ^ p) < min_size)
+
+    while len(current) >= min_size:
+        if admissible(current, graph, history, min_size):
+            candidates.append(frozenset(current))
+            break
+        current.remove(min(current, key=lambda c: (broken(current - {c}), c)))
+    if not candidates:
+        return None
+    return sorted(max(candidates, key=lambda s: (len(s), s in history, sorted(-c for c in s))))
+
+
 def neighbour_graph(cids, seed, degree=None):
     """Each client's neighbours: a Harary graph (ring with k/2 nearest on each side) over a seeded permutation.
 
-    ``degree`` defaults to min(n - 1, 2 ceil(log2 n)) (even, at least 2 when n > 2),
-    so the masks and shares of a sum cost O(n log n).
+    ``degree`` defaults to :func:`secagg_degree` (2 ceil(log2 n), more where
+    the dropouts the docs support could split the survivors' graph), so the
+    masks and shares of a sum cost O(n log n).
     """
     cids = sorted(int(c) for c in cids)
     n = len(cids)
     if n <= 1:
         return {cid: [] for cid in cids}
     if degree is None:
-        degree = 2 * math.ceil(math.log2(n))
+        degree = secagg_degree(n)
     degree = min(n - 1, max(2, int(degree)))
     # The graph is public (the server draws it), so a seeded NumPy permutation is fine here.
     seeds = [int(v) for v in np.atleast_1d(seed)]
@@ -472,6 +610,7 @@ class SecureClientState:
         self._agreed = {}        # neighbour -> mask-key shared secret (one exchange per pair of mask keys)
         self._ciphers = {}       # neighbour -> the AEAD of the shares exchanged with it (channel keys)
         self._masked_with = {}   # context -> the neighbours this client's upload of that sum is masked with
+        self._unmasked = {}      # group -> the contributor sets of the sums it revealed for (differencing rule)
 
     def public_key(self):
         """The public key bundle: the mask key's public key, then the channel key's (64 bytes)."""
@@ -509,21 +648,39 @@ class SecureClientState:
             out[other] = nonce + self._aead(other).encrypt(nonce, plain, None)
         return out
 
-    def receive_shares(self, ciphertexts):
-        """Sender -> ciphertext addressed to this client (shares of self masks): decrypted and kept."""
+    def receive_shares(self, ciphertexts, context=None):
+        """Sender -> ciphertext addressed to this client (shares of self masks): decrypted and kept.
+
+        Returns sender -> why its share could not be opened (not a neighbour,
+        does not authenticate, not a share, a share of something else): the
+        server drops those senders from the sum, and this client stays in it.
+        Raising instead would let any client remove a chosen neighbour from a
+        chosen sum by sending it garbage. ``context``: the sum the shares are
+        for (None: any).
+        """
+        reports = {}
         for sender, blob in ciphertexts.items():
             sender = int(sender)
             if sender not in self._public:
-                raise SecureAggregationError(f"client {self.cid}: share from {sender}, which is not a neighbour")
+                reports[sender] = f"client {self.cid}: a share from {sender}, which is not a neighbour"
+                continue
             try:
-                plain = self._aead(sender).decrypt(blob[:12], blob[12:], None)
+                plain = self._aead(sender).decrypt(bytes(blob[:12]), bytes(blob[12:]), None)
             except Exception as err:
-                raise SecureAggregationError(f"client {self.cid}: the share from client {sender} does not "
-                                             f"authenticate ({type(err).__name__})") from None
-            owner, to, what, context, x, y = _parse_share(plain, sender)
-            if owner != sender or to != self.cid:
-                raise SecureAggregationError(f"client {self.cid}: a share from {sender} names {owner} -> {to}")
-            self._held[(owner, what, context)] = (x, y)
+                reports[sender] = (f"client {self.cid}: the share from client {sender} does not authenticate "
+                                   f"({type(err).__name__})")
+                continue
+            try:
+                owner, to, what, got, x, y = _parse_share(plain, sender)
+            except SecureAggregationError as err:
+                reports[sender] = f"client {self.cid}: {err}"
+                continue
+            if owner != sender or to != self.cid or (context is not None and got != tuple(context)):
+                reports[sender] = (f"client {self.cid}: a share from {sender} names {owner} -> {to} for sum {got}, "
+                                   f"expected {sender} -> {self.cid} for sum {None if context is None else tuple(context)}")
+                continue
+            self._held[(owner, what, got)] = (x, y)
+        return reports
 
     def new_self_mask(self, context, members=None):
         """A fresh self mask for sum ``context``; returns its shares, encrypted per neighbour.
@@ -588,13 +745,24 @@ class SecureClientState:
         A pairwise key is derived per sum (HKDF), so it opens that sum's mask
         only; it is revealed only for a neighbour this client's upload of the
         sum was masked with. Refuses (:class:`SecureAggregationError`, nothing
-        revealed) a sum of fewer than ``min_survivors`` clients, and both
+        revealed) a sum of fewer than ``min_survivors`` clients, a sum whose
+        survivors differ by 1 to ``min_survivors`` - 1 clients from those of
+        an earlier sum of the same group (``context[1]``) it revealed for
+        (their difference would be those clients' statistics), and both
         answers for one neighbour in one sum.
         """
         if len(survivors) < self.min_survivors:
             raise SecureAggregationError(
                 f"client {self.cid}: sum {context} has {len(survivors)} survivor(s), fewer than the "
                 f"{self.min_survivors} it reveals shares for (the sum would show each of them); refused")
+        contributors = frozenset(int(c) for c in survivors)
+        earlier = self._unmasked.setdefault(context[1] if len(context) > 1 else None, [])
+        for other in earlier:
+            if contributors != other and len(contributors ^ other) < self.min_survivors:
+                raise SecureAggregationError(
+                    f"client {self.cid}: the survivors of sum {context} differ by {len(contributors ^ other)} "
+                    f"client(s) ({sorted(contributors ^ other)}) from those of an earlier sum of the group it "
+                    f"revealed for; expected none or at least {self.min_survivors}; refused")
         masked_with = self._masked_with.get(context, set())
         asked = []
         for owner in self.neighbours:
@@ -610,6 +778,8 @@ class SecureClientState:
                 raise SecureAggregationError(f"client {self.cid}: the server asked for both secrets of client "
                                              f"{owner} in sum {context}; refused")
             asked.append((owner, what))
+        if contributors not in earlier:
+            earlier.append(contributors)
         out = {}
         for owner, what in asked:  # checked whole first: a refusal reveals nothing
             self._answered[(owner, context)] = what
@@ -648,14 +818,28 @@ class SecureServer:
             self.graph.update(neighbour_graph(members, [self.seed, k], self.degree))
         return self.graph
 
-    @staticmethod
-    def route(outgoing):
-        """sender -> {receiver: ciphertext} into receiver -> {sender: ciphertext}."""
-        incoming = {}
+    def route(self, outgoing, members=None):
+        """sender -> {receiver: ciphertext} into (receiver -> {sender: ciphertext}, offenders).
+
+        A share is forwarded only along an edge of the neighbour graph, to a
+        client of ``members`` (default: any): an honest client sends nothing
+        else, and a blob forwarded anywhere else would let one client reach
+        (and, before this check, knock out) any other. ``offenders``:
+        sender -> why some of its shares were not forwarded.
+        """
+        members = None if members is None else {int(c) for c in members}
+        incoming, offenders = {}, {}
         for sender, per_receiver in outgoing.items():
+            sender = int(sender)
+            allowed = set(self.graph.get(sender, ()))
             for receiver, blob in per_receiver.items():
-                incoming.setdefault(int(receiver), {})[int(sender)] = blob
-        return incoming
+                receiver = int(receiver)
+                if receiver not in allowed or (members is not None and receiver not in members):
+                    offenders[sender] = (f"sent a share to client {receiver}, which is not its neighbour in the sum; "
+                                         "not forwarded")
+                    continue
+                incoming.setdefault(receiver, {})[sender] = blob
+        return incoming, offenders
 
     def unmask(self, context, masked, survivors, dropped, revealed, members=None):
         """The plain sum of the survivors' encoded entries, from the masked sum and what the survivors revealed.
@@ -672,6 +856,13 @@ class SecureServer:
         if len(survivors) < self.min_group_size:
             raise SecureAggregationError(f"sum {context}: {len(survivors)} survivor(s), fewer than min_group_size="
                                          f"{self.min_group_size}; not unmasked")
+        small = [part for part in components(self.graph, survivors) if len(part) < self.min_group_size]
+        if small:
+            # The pairwise masks cancel inside each component: the server could decode each one's sum.
+            raise SecureAggregationError(
+                f"sum {context}: the survivors' neighbour graph splits into a component of {len(small[0])} "
+                f"client(s) {small[0]}, fewer than min_group_size={self.min_group_size} (its sum could be decoded "
+                f"alone); not unmasked")
         shapes = {key: np.shape(w) for key, w in masked.items()}
         offsets, n_words = _layout(shapes)
         flat = np.empty(n_words, dtype=np.uint64)

@@ -179,20 +179,46 @@ def test_client_failure_is_a_dropout(tmp_path):
 
 def test_a_secure_dropout_after_masking_is_removed_and_matches_the_plain_run(tmp_path):
     # Client 5 (rank 2) fails in its masked upload of layer 1 only: its neighbours, on their ranks, reveal the
-    # keys of that sum's masks with it, and it masks again from layer 2. The model equals the plain run where
-    # it misses layer 1.
+    # keys of that sum's masks with it. A later sum with it would differ from layer 1's by client 5 alone
+    # (their difference would be its statistics): it is excluded from layers 2 and 3 as if it had dropped,
+    # and the model equals the plain run where it misses every layer.
     runs = {}
-    for name, extra, step in (("secure", ["--secure"], "secure_upload:5:0"), ("plain", [], "local_stats:5:0")):
+    for name, extra, env in (("secure", ["--secure"], {"FEDLAYER_TEST_FAIL_STEP": "secure_upload:5:0"}),
+                             ("plain", [], {"FEDLAYER_TEST_FAIL_CLIENT": "5"})):
         out = tmp_path / name
         proc = mpirun(["--algorithm", "fedacnnl", *SMALL, *extra, "--quiet", "--output", str(out)], timeout=120,
-                      FEDLAYER_TEST_FAIL_STEP=step)
+                      **env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = json.loads((out / "results.json").read_text())
     federated = [r for r in runs["secure"]["rounds"].values() if r["stage"] == "federated"]
     assert federated[0]["dropped"] == {"5": "secure_upload: RuntimeError: injected failure of secure_upload for "
                                             "client 5 (FEDLAYER_TEST_FAIL_STEP)"}
-    assert all("dropped" not in r and "5" in r["clients"] for r in federated[1:])
+    assert all(list(r["dropped"]) == ["5"] and r["dropped"]["5"].startswith("secure: excluded from this sum")
+               and "5" not in r["clients"] for r in federated[1:])
+    assert all(r["contributors"] == {"0": [[c for c in range(12) if c != 5]]} for r in federated)
     assert runs["secure"]["accuracy"] == runs["plain"]["accuracy"]
+
+
+def test_each_rank_writes_its_own_clients_personalized_models(tmp_path):
+    # Under mpiexec the personalized weights stay on the rank hosting the client, which writes the file; the
+    # models are those of the run in one process (where the clients write them too).
+    runs = {}
+    for name in ("inproc", "mpi"):
+        out = tmp_path / name
+        args = ["--algorithm", "pfedacnnl", *SMALL, "--secure", "--quiet", "--output", str(out)]
+        proc = (mpirun(args) if name == "mpi" else
+                subprocess.run([sys.executable, "-m", "fedlayer", "run", *args], capture_output=True, text=True,
+                               timeout=120, env=_env()))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = sorted((out / "personalized").glob("client*.npz"))
+    assert [p.name for p in runs["mpi"]] == [p.name for p in runs["inproc"]] and len(runs["mpi"]) == 12
+    from fedlayer.models import Model
+
+    for a, b in zip(runs["inproc"], runs["mpi"]):
+        (ma, meta_a), (mb, meta_b) = Model.load(a), Model.load(b)
+        assert meta_a == meta_b
+        for i in ma.trainable:
+            assert_close(mb.layers[i].weights, ma.layers[i].weights, np.float64, rtol=1e-10)
 
 
 def test_client_error_outside_a_sum_ends_the_job_naming_it():

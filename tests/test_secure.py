@@ -6,13 +6,15 @@ import numpy as np
 import pytest
 
 from fedlayer.client import Client
-from fedlayer.federated import VARIANTS, merge_small_groups, run_protocol
+from fedlayer.federated import EXCLUDED, VARIANTS, merge_small_groups, run_protocol
 from fedlayer.secure import (
     _CHUNK_WORDS,
     FixedPoint,
     SecureAggregationError,
     SecureClientState,
     SecureServer,
+    close_pairs,
+    components,
     fraction_bits,
     keystream_words,
     magnitude_exponent,
@@ -131,8 +133,10 @@ def _setup(cids, seed=0):
 
 def _masked_sum(states, server, context, data, survivors, dropped, code):
     outgoing = {c: states[c].new_self_mask(context) for c in data}
-    for c, incoming in server.route(outgoing).items():
-        states[c].receive_shares(incoming)
+    incoming, offenders = server.route(outgoing)
+    assert not offenders
+    for c, shares in incoming.items():
+        assert states[c].receive_shares(shares, context) == {}
     members = sorted(data)
     uploads = {c: states[c].mask(context, {"G": code.encode(data[c])}, members) for c in survivors}
     total = np.zeros_like(uploads[survivors[0]]["G"])
@@ -285,12 +289,14 @@ def test_a_client_never_reveals_both_secrets_of_a_neighbour(rng):
         states[0].reveal((1, 0), dropped={1}, survivors={2, 3, 4})
 
 
-def test_a_tampered_share_is_refused():
+def test_a_tampered_share_is_refused_and_its_sender_reported():
+    # The receiver keeps nothing of it and reports the sender instead of raising (raising dropped the receiver).
     states, server = _setup([0, 1, 2])
     blob = bytearray(states[0].new_self_mask((0, 0))[1])
     blob[-1] ^= 1
-    with pytest.raises(SecureAggregationError, match="the share from client 0 does not authenticate"):
-        states[1].receive_shares({0: bytes(blob)})
+    reports = states[1].receive_shares({0: bytes(blob)}, (0, 0))
+    assert list(reports) == [0] and "the share from client 0 does not authenticate" in reports[0]
+    assert states[1]._held == {}
 
 
 @pytest.mark.parametrize("plain", [b"[0, 1, 'self']", b"[0, 1, \"both\", [1, 0], 1, 2]", b"[0, 1, \"self\", [1.5], 1, 2]",
@@ -299,8 +305,9 @@ def test_an_authentic_share_of_the_wrong_form_is_refused(plain):
     states, server = _setup([0, 1, 2])
     nonce = os.urandom(12)
     blob = nonce + states[0]._aead(1).encrypt(nonce, plain, None)
-    with pytest.raises(SecureAggregationError, match="the share from client 0 is not \\(owner, to, what"):
-        states[1].receive_shares({0: blob})
+    reports = states[1].receive_shares({0: blob}, (0, 0))
+    assert list(reports) == [0] and "the share from client 0 is not (owner, to, what" in reports[0]
+    assert states[1]._held == {}
 
 
 def test_too_many_dropouts_name_the_threshold(rng):
@@ -482,19 +489,21 @@ def _assert_same_weights(plain, secure):
             assert_close(V, W, np.float64, rtol=1e-9)
 
 
-def test_a_client_that_drops_out_after_masking_is_removed_and_masks_again_later(rng):
+def test_a_client_that_drops_out_after_masking_is_removed_and_kept_out_of_its_group_s_later_sums(rng):
     # Client 4 fails in its masked upload of layer 1: its neighbours reveal the keys of that sum's masks
-    # with it. It is back in layers 2 and 3 with the same keys; every layer equals the plain run in which
-    # it misses layer 1.
+    # with it. Back in layers 2 and 3, a sum over all nine would differ from layer 1's by client 4 alone
+    # (their difference: its statistics' bias parts, its class counts): it is excluded as if it had dropped,
+    # and every layer equals the plain run in which it misses all three. Before, it was back in.
     seed = int(rng.integers(2**31))
-    plain = run_protocol(InProcessTransport(_failing_clients(seed, 9, {4: {("local_stats", 0)}})), 3,
-                         VARIANTS["fedacnnl"], batch_size=7)
+    plain = run_protocol(InProcessTransport(_failing_clients(seed, 9, {4: {("local_stats", p) for p in range(3)}})),
+                         3, VARIANTS["fedacnnl"], batch_size=7)
     clients = _failing_clients(seed, 9, {4: {("secure_upload", 0)}})
     server = SecureServer(seed=5)
     secure = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], batch_size=7, secure=server)
     _assert_same_weights(plain, secure)
     assert "secure_upload" in secure["rounds"][0]["dropped"]["4"]
-    assert [r.get("dropped") for r in secure["rounds"][1:]] == [None, None]
+    assert [r["dropped"] for r in secure["rounds"][1:]] == [{"4": EXCLUDED.format(m=3)}] * 2
+    assert [r["contributors"] for r in secure["rounds"]] == [{"0": [[0, 1, 2, 3, 5, 6, 7, 8]]}] * 3
     assert "rekeyed" not in secure["secure"]
     for other in server.graph[4]:
         assert clients[other]._secure._public[4] == server.public[4] == clients[4]._secure.public_key()
@@ -517,17 +526,19 @@ def test_self_masks_are_shared_among_the_neighbours_still_in_the_sum(rng):
 
 
 def test_failures_in_every_step_of_a_secure_sum_are_dropouts(rng):
-    # Layer 1: client 2 fails sharing its self mask (left out before anyone masks with it).
+    # Layer 1: client 2 fails sharing its self mask (left out before anyone masks with it; then out of the
+    # group's later sums too, which would otherwise differ from layer 1's by client 2 alone).
     # Layer 2: client 5 fails revealing its shares (its upload is in the sum; the others' shares suffice).
     seed = int(rng.integers(2**31))
-    plain = run_protocol(InProcessTransport(_failing_clients(seed, 9, {2: {("local_stats", 0)}})), 3,
-                         VARIANTS["fedacnnl"], batch_size=7)
+    plain = run_protocol(InProcessTransport(_failing_clients(seed, 9, {2: {("local_stats", p) for p in range(3)}})),
+                         3, VARIANTS["fedacnnl"], batch_size=7)
     secure = run_protocol(InProcessTransport(_failing_clients(seed, 9, {2: {("secure_self_mask", 0)},
                                                                         5: {("secure_reveal", 1)}})), 3,
                           VARIANTS["fedacnnl"], batch_size=7, secure=SecureServer(seed=5))
     _assert_same_weights(plain, secure)
     assert secure["rounds"][0]["dropped"]["2"].startswith("secure_self_mask: RuntimeError")
     assert secure["rounds"][1]["dropped"]["5"].startswith("secure_reveal (its upload is in the sum): RuntimeError")
+    assert secure["rounds"][1]["dropped"]["2"] == secure["rounds"][2]["dropped"]["2"] == EXCLUDED.format(m=3)
     assert "5" in secure["rounds"][1]["clients"]
 
 
@@ -599,8 +610,9 @@ def test_the_server_sees_class_means_in_a_plain_upload_and_noise_in_a_masked_one
     bound = target.secure_bound(0, 64, ["G", "C"])
     bits = fraction_bits([bound["exponent"]], len(clients))
     outgoing = {c.client_id: c.secure_self_mask((0, 0))["shares"] for c in clients}
+    incoming, _ = server.route(outgoing)
     for c in clients:
-        c.secure_receive(server.route(outgoing).get(c.client_id, {}))
+        c.secure_receive(incoming.get(c.client_id, {}), (0, 0))
     upload = target.secure_upload(0, (0, 0), bits, len(clients), [c.client_id for c in clients])
     seen = FixedPoint(bits, len(clients)).decode(upload["C"])
     guessed, _ = class_means_from_upload(seen, Q)
@@ -657,3 +669,230 @@ def test_secure_pfedacnnl_merges_groups_below_the_minimum_size(rng):
                           secure=SecureServer(seed=5, min_group_size=3))
     sizes = np.bincount(list(result["groups"].values()))
     assert sizes.min() >= 3 and sizes.sum() == 9
+
+
+# ---------------------------------------------------------------------------
+# The attacks of issue 42: each test failed on the code before the fix
+# ---------------------------------------------------------------------------
+
+def _spy_sums(monkeypatch):
+    """Record, for every secure sum the server unmasks, its contributors and the class counts it decodes."""
+    import fedlayer.federated
+
+    seen = []
+    real = fedlayer.federated._secure_sum
+
+    def spy(*args, **kwargs):
+        outcome, withheld = real(*args, **kwargs)
+        if outcome.totals:
+            seen.append((frozenset(outcome.receipts), outcome.totals["C"][-1].copy()))
+        return outcome, withheld
+
+    monkeypatch.setattr(fedlayer.federated, "_secure_sum", spy)
+    return seen
+
+
+def test_differencing_two_unmasked_sums_reveals_no_client(rng, monkeypatch):
+    """Client 4 fails in layer 2 only. Before, layer 1 summed all nine and layer 2 the eight others: the
+    difference of their C's bias rows (with X^T Y's coordinates, the class counts) was client 4's exact
+    class histogram, and of G's bias entries its sample count."""
+    seed = int(rng.integers(2**31))
+    clients = _failing_clients(seed, 9, {4: {("local_stats", 1)}})
+    seen = _spy_sums(monkeypatch)
+    result = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], batch_size=7,
+                          target_bases=clients[0].bases, secure=SecureServer(seed=5))
+    assert len(seen) == 3
+    histograms = {c.client_id: np.bincount(c.data.y_train, minlength=N_CLASSES) for c in clients}
+    for i, (members_a, counts_a) in enumerate(seen):
+        np.testing.assert_allclose(counts_a, sum(histograms[c] for c in members_a), atol=1e-6)
+        for members_b, counts_b in seen[i + 1:]:
+            difference = np.abs(counts_a - counts_b)
+            for cid, histogram in histograms.items():
+                assert not np.allclose(difference, histogram, atol=1e-6), f"client {cid}'s class counts"
+    sets = [members for members, _ in seen]
+    assert close_pairs(sets, 3) == []
+    # The record says who contributed to each unmasked sum, so the rule can be checked from it alone.
+    recorded = [frozenset(c for part in r["contributors"]["0"] for c in part) for r in result["rounds"]]
+    assert recorded == sets
+
+
+def _split_survivors(graph, n_survivors, sizes):
+    """The first survivors (in lexicographic order) whose graph splits into components of ``sizes``."""
+    import itertools
+
+    for survivors in itertools.combinations(sorted(graph), n_survivors):
+        if sorted(len(part) for part in components(graph, survivors)) == sizes:
+            return list(survivors)
+    raise AssertionError(f"no {n_survivors} survivors split into {sizes}")
+
+
+def test_survivors_whose_graph_splits_are_not_unmasked(rng):
+    """13 clients of degree 8, 8 drop before masking: 5 survivors pass a count of 3, but split 2 + 3, and
+    the server could decode the 2-client part alone (its pairwise masks cancel inside it). Before, unmasked."""
+    cids = list(range(13))
+    states, _ = _setup(cids)
+    server = SecureServer(seed=0, degree=8)
+    server.plan({0: cids})
+    server.public = {c: states[c].public_key() for c in cids}
+    for c in cids:
+        states[c].set_neighbours({n: server.public[n] for n in server.graph[c]})
+    survivors = _split_survivors(server.graph, 5, [2, 3])
+    pair = next(part for part in components(server.graph, survivors) if len(part) == 2)
+    code = FixedPoint(36, len(survivors))
+    data = {c: rng.standard_normal(4) for c in survivors}
+    outgoing = {c: states[c].new_self_mask((0, 0), survivors) for c in survivors}
+    incoming, offenders = server.route(outgoing, survivors)
+    assert not offenders
+    for c in survivors:
+        states[c].receive_shares(incoming.get(c, {}), (0, 0))
+    uploads = {c: states[c].mask((0, 0), {"G": code.encode(data[c])}, survivors) for c in survivors}
+    total = sum(uploads[c]["G"] for c in survivors)
+    revealed = {c: states[c].reveal((0, 0), set(), set(survivors)) for c in survivors}
+    # The attack, had the server asked for the shares: the pair's uploads less their self masks.
+    from fedlayer.secure import _mask_key
+
+    attempt = sum(uploads[c]["G"] for c in pair)
+    for c in pair:
+        shares = [revealed[other][c][1] for other in survivors if c in revealed[other]]
+        attempt = attempt - keystream_words(_mask_key(server._rebuild(shares, c, [n for n in server.graph[c]
+                                                                                  if n in survivors]),
+                                                      b"self mask", (0, 0)), 4)
+    np.testing.assert_allclose(code.decode(attempt), data[pair[0]] + data[pair[1]], atol=code.error_bound())
+    with pytest.raises(SecureAggregationError, match=rf"splits into a component of 2 client\(s\) \[{pair[0]}, "
+                                                     rf"{pair[1]}\], fewer than min_group_size=3"):
+        server.unmask((0, 0), {"G": total}, survivors, [], revealed, survivors)
+
+
+def test_a_split_group_sums_its_large_part_only(rng):
+    """In the protocol, the survivors' small component is excluded before masking: nothing of it is revealed."""
+    seed = int(rng.integers(2**31))
+    server = SecureServer(seed=5, degree=8)
+    graph = server.plan({0: list(range(13))})
+    survivors = _split_survivors(graph, 5, [2, 3])
+    pair, large = sorted(components(graph, survivors), key=len)
+    lost = {c: {("local_stats", 0)} for c in range(13) if c not in survivors}
+    result = run_protocol(InProcessTransport(_failing_clients(seed, 13, lost)), 1, VARIANTS["fedacnnl"],
+                          batch_size=7, secure=server)
+    assert result["rounds"][0]["contributors"] == {"0": [large]}
+    assert {int(c): why for c, why in result["rounds"][0]["dropped"].items() if c in map(str, pair)} \
+        == dict.fromkeys(pair, EXCLUDED.format(m=3))
+    plain = run_protocol(InProcessTransport(_failing_clients(seed, 13, {c: {("local_stats", 0)} for c in range(13)
+                                                                         if c not in large})),
+                         1, VARIANTS["fedacnnl"], batch_size=7)
+    _assert_same_weights(plain, result)
+
+
+@pytest.mark.parametrize("n", [13, 20, 50])
+def test_the_default_degree_keeps_the_survivors_connected_at_the_supported_dropout_rate(n):
+    from fedlayer.secure import SUPPORTED_DROPOUT, secagg_degree, split_bound
+
+    degree = secagg_degree(n)
+    assert degree >= min(n - 1, 2 * int(np.ceil(np.log2(n))))
+    assert split_bound(n, degree, SUPPORTED_DROPOUT) <= 1e-6
+    # The bound holds where it can be seen: at degree 4 and twice the rate, splits are common, and fewer
+    # than the bound says.
+    trials, splits = 20000, 0
+    graph = neighbour_graph(range(n), seed=3, degree=4)
+    draws = np.random.default_rng(n).random((trials, n)) >= 2 * SUPPORTED_DROPOUT
+    for alive in draws:
+        splits += len(components(graph, np.flatnonzero(alive))) > 1
+    assert 0 < splits / trials <= split_bound(n, 4, 2 * SUPPORTED_DROPOUT)
+
+
+class _BogusSharer(_FailingClient):
+    """A client that sends ``victim`` a share that does not open, in layer ``position`` + 1."""
+
+    def __init__(self, *args, victim, position=0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.victim, self.position = victim, position
+
+    def secure_self_mask(self, context, members=None):
+        result = super().secure_self_mask(context, members)
+        if context[0] == self.position:
+            blob = bytearray(result["shares"][self.victim])
+            blob[-1] ^= 1
+            result["shares"][self.victim] = bytes(blob)
+        return result
+
+
+def test_a_bogus_share_drops_its_sender_not_its_receiver(rng):
+    """Client 3 sends client 6 a share that does not open. Before, client 6 raised and dropped out of the sum
+    (any client could so remove a chosen one from a chosen sum); now client 6 reports client 3, which is out."""
+    seed = int(rng.integers(2**31))
+    clients = _failing_clients(seed, 9, {})
+    clients[3] = _BogusSharer(3, clients[3].data, dnn_config(clients[3].data.x_train.shape[1]), seed=3,
+                              n_classes=N_CLASSES, victim=6)
+    result = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], batch_size=7,
+                          secure=SecureServer(seed=5))
+    first = result["rounds"][0]
+    assert list(first["dropped"]) == ["3"]
+    assert first["dropped"]["3"].startswith("secure_self_mask: reported by client 6: client 6: the share from "
+                                            "client 3 does not authenticate")
+    assert first["contributors"] == {"0": [[0, 1, 2, 4, 5, 6, 7, 8]]}
+    plain = run_protocol(InProcessTransport(_failing_clients(seed, 9, {3: {("local_stats", p) for p in range(3)}})),
+                         3, VARIANTS["fedacnnl"], batch_size=7)
+    _assert_same_weights(plain, result)
+
+
+def test_shares_travel_only_along_the_neighbour_graph():
+    """A share addressed to a client that is not the sender's neighbour is not forwarded; its sender is named."""
+    states, _ = _setup(list(range(9)))
+    server = SecureServer(seed=0, degree=4)
+    graph = server.plan({0: list(range(9))})
+    stranger = next(c for c in range(1, 9) if c not in graph[0])
+    incoming, offenders = server.route({0: {graph[0][0]: b"x", stranger: b"y"}, 1: {graph[1][0]: b"z"}})
+    assert incoming == {graph[0][0]: {0: b"x"}, graph[1][0]: {1: b"z"}}
+    assert offenders == {0: f"sent a share to client {stranger}, which is not its neighbour in the sum; not forwarded"}
+    # Nor to a neighbour outside the sum.
+    _, offenders = server.route({0: {graph[0][0]: b"x"}}, members=[0])
+    assert list(offenders) == [0]
+
+
+def test_personalized_weights_never_cross_the_transport(tmp_path):
+    """pFedACnnL --secure --output: each client writes its own model; before, its weights went to the server
+    (``final_weights``), and under mpiexec over the network to rank 0. The server's record keeps, per client of a
+    personalization round, its busy time only."""
+    from fedlayer.models import Model
+    from fedlayer.run import RunConfig, build, load_dataset, make_clients, run
+
+    crossed = []
+
+    class Spy(InProcessTransport):
+        def call(self, method, args):
+            for cid, result in super().call(method, args):
+                crossed.append((method, result))
+                yield cid, result
+
+        def sum(self, method, args, keys, **kwargs):
+            outcome = super().sum(method, args, keys, **kwargs)
+            crossed.append((method, outcome.totals))
+            crossed.extend((method, receipt) for receipt in outcome.receipts.values())
+            return outcome
+
+    config = RunConfig(algorithm="pfedacnnl", clients=9, groups=2, model="dnn", secure=True, output=str(tmp_path))
+    dataset = load_dataset(config)
+    clients = make_clients(config, dataset, build(config, dataset).config())
+    results = run(config, transport=Spy(clients), dataset=dataset)
+
+    def arrays(value):
+        if isinstance(value, np.ndarray):
+            yield value
+        elif isinstance(value, dict):
+            for v in value.values():
+                yield from arrays(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                yield from arrays(v)
+
+    seen = [a for _, result in crossed for a in arrays(result)]
+    for client in clients:
+        model, metadata = Model.load(tmp_path / "personalized" / f"client{client.client_id}.npz")
+        assert metadata["clients"] == [client.client_id]
+        for i in client.model.trainable:
+            W = client.model.layers[i].weights
+            np.testing.assert_array_equal(model.layers[i].weights, W)
+            assert not any(a.shape == W.shape and np.array_equal(a, W) for a in seen), (client.client_id, i)
+    assert "final_weights" not in {method for method, _ in crossed}
+    personal = [r for r in results["rounds"].values() if r["stage"] == "personalization"]
+    assert personal and all(set(entry) == {"compute_s", "comm_s", "idle_s", "arrival_s"}
+                            for r in personal for entry in r["clients"].values())
