@@ -867,7 +867,10 @@ def test_personalized_weights_never_cross_the_transport(tmp_path):
             outcome = super().sum(method, args, keys, **kwargs)
             crossed.append((method, outcome.totals))
             crossed.extend((method, receipt) for receipt in outcome.receipts.values())
+            summed.setdefault(method, set()).update(outcome.totals)
             return outcome
+
+    summed = {}
 
     config = RunConfig(algorithm="pfedacnnl", clients=9, groups=2, model="dnn", secure=True, output=str(tmp_path))
     dataset = load_dataset(config)
@@ -893,6 +896,36 @@ def test_personalized_weights_never_cross_the_transport(tmp_path):
             np.testing.assert_array_equal(model.layers[i].weights, W)
             assert not any(a.shape == W.shape and np.array_equal(a, W) for a in seen), (client.client_id, i)
     assert "final_weights" not in {method for method, _ in crossed}
+    # Everything the server receives, method by method: per client (the receipts) and summed over a group
+    # (docs/design.md, "Secure sums", lists it).
+    received = {}
+    for method, result in crossed:
+        received.setdefault(method, set()).update(set(result) - summed.get(method, set()))
+    assert received == {"label_summary": {"h"}, "secure_keys": {"public"}, "secure_neighbours": set(),
+                        "set_weights": set(),
+                        "secure_bound": {"n", "compute_s", "parts", "exponent"},
+                        "secure_self_mask": {"shares", "compute_s"}, "secure_receive": {"compute_s", "reports"},
+                        "secure_upload": {"compute_s"}, "secure_reveal": {"shares", "compute_s"},
+                        "evaluate": {"correct", "total"}, "personalize": {"compute_s"},
+                        "save_personalized": {"bytes"}}
+    assert {method: keys for method, keys in summed.items() if keys} == {"secure_upload": {"G", "C"}}
     personal = [r for r in results["rounds"].values() if r["stage"] == "personalization"]
     assert personal and all(set(entry) == {"compute_s", "comm_s", "idle_s", "arrival_s"}
                             for r in personal for entry in r["clients"].values())
+
+
+def test_a_resumed_secure_run_keeps_the_contributor_rule(rng, tmp_path):
+    """The sums unmasked before a checkpoint bind the layers after it: their contributors come back from the
+    checkpoint's round records, and client 4, out of layer 1, stays out of layers 2 and 3."""
+    from fedlayer.checkpoint import load_checkpoint
+
+    seed = int(rng.integers(2**31))
+    path = tmp_path / "checkpoint.npz"
+    run_protocol(InProcessTransport(_failing_clients(seed, 9, {4: {("secure_upload", 0)}})), 1, VARIANTS["fedacnnl"],
+                 batch_size=7, secure=SecureServer(seed=5), checkpoint=path, fingerprint={"test": 1})
+    state = load_checkpoint(path, {"test": 1})
+    assert state["layers_done"] == 1
+    resumed = run_protocol(InProcessTransport(_failing_clients(seed, 9, {})), 3, VARIANTS["fedacnnl"], batch_size=7,
+                           secure=SecureServer(seed=5), resume=state, fingerprint={"test": 1})
+    assert [r["contributors"] for r in resumed["rounds"]] == [{"0": [[0, 1, 2, 3, 5, 6, 7, 8]]}] * 3
+    assert [r["dropped"] for r in resumed["rounds"][1:]] == [{"4": EXCLUDED.format(m=3)}] * 2
