@@ -47,6 +47,18 @@ from ._threads import (
 
 __version__ = "0.1.0"
 
+# The scikit-learn estimators import scikit-learn (0.4 s): loaded on first use, so the kernels' callers do not pay.
+_ESTIMATORS = ("StreamingRidge", "StreamingRidgeClassifier")
+
+
+def __getattr__(name):
+    if name in _ESTIMATORS:
+        from . import _estimators
+
+        return getattr(_estimators, name)
+    raise AttributeError(f"module 'fastls' has no attribute {name!r}")
+
+
 __all__ = [
     "gram_update",
     "cross_update",
@@ -70,6 +82,8 @@ __all__ = [
     "proximal_solve_dual",
     "proximal_cost",
     "RidgePath",
+    "StreamingRidge",
+    "StreamingRidgeClassifier",
     "recycled_array",
     "release_recycled",
     "recycled_nbytes",
