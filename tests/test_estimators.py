@@ -2,6 +2,11 @@
 Ridge / RidgeClassifier, GCV against a brute force from the rows, and the exactness of streaming, merging
 and forgetting."""
 
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -16,6 +21,7 @@ from numeric_checks import assert_close
 
 # The issue's bound on the relative difference to scikit-learn, float64.
 RTOL = 1e-10
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # No check is skipped or expected to fail. scikit-learn's checks skip themselves (SkipTest) where the
@@ -356,3 +362,46 @@ def test_invalid_alpha_values_are_named(rng, alpha, alphas, message):
     with pytest.raises(ValueError, match=message):
         fastls.StreamingRidge(alpha=alpha, alphas=alphas).fit(X, y)
 
+
+# ---------------------------------------------------------------------------------------------------------
+# The report and the worked example, at CI size
+# ---------------------------------------------------------------------------------------------------------
+
+def test_estimators_report_runs_at_ci_size():
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "estimators_report.py"), "--rows", "20000",
+                           "--features", "129", "--batches", "10"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "| `StreamingRidge.fit` |" in done.stdout
+    assert "| `StreamingRidge.partial_fit` x 10 + `coef_` |" in done.stdout
+    assert "Memory budget of the issue" in done.stdout
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("class_incremental_mnist",
+                                                  ROOT / "examples" / "class_incremental_mnist.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_example_result(result):
+    assert result["joint_difference"] < 1e-9
+    assert result["sklearn_difference"] < 1e-9
+    assert result["same_predictions_as_joint"] and result["same_predictions_as_sklearn"]
+
+
+def test_class_incremental_example_on_synthetic_data():
+    check_example_result(load_example().main(["--synthetic", "--subset", "800", "--features", "150"]))
+
+
+def test_class_incremental_example_on_an_mnist_subset():
+    example = load_example()
+    from fedlayer.data import load_mnist
+
+    try:
+        load_mnist()
+    except FileNotFoundError as error:
+        pytest.skip(f"MNIST is absent: {error}")
+    result = example.main(["--subset", "2000", "--features", "300"])
+    check_example_result(result)
+    assert result["accuracies"][0] > 0.95  # two digits, 300 random features
