@@ -16,6 +16,12 @@
    next to the run without dropouts; pFedACnnL's accuracy with ``--h-noise``.
 5. **Per-rank sums** (``mpiexec -n 3``, MNIST-DNN): bytes rank 0 received per
    layer against the bytes the clients' uploads would have been.
+6. **Contributor rules** (MNIST-DNN, pFedACnnL; ``--parts rules``): secure
+   against plain without dropouts; with ``--drop-clients 0.2`` on seeds 0
+   and 1, the accuracy, the pairs of unmasked sums of a group whose
+   contributors differ by 1 to min_group_size - 1 clients (counted from the
+   record; for the plain run, as today's protocol would have unmasked them),
+   and the weights against a plain run on the same contributors.
 Writes secure_sums.md / .json and the figure.
 """
 
@@ -87,14 +93,12 @@ def threat(dataset, config, out):
     server = SecureServer(config.seed)
     server.public = {c.client_id: c.secure_keys()["public"] for c in clients}
     graph = server.plan({0: [c.client_id for c in clients]})
-    relay = server.route({c.client_id: c.secure_neighbours({n: server.public[n] for n in graph[c.client_id]})["shares"]
-                          for c in clients})
     for c in clients:
-        c.secure_receive(relay.get(c.client_id, {}))
+        c.secure_neighbours({n: server.public[n] for n in graph[c.client_id]})
     bits = fraction_bits([target.secure_bound(0, 64, ["G", "C"])["exponent"]], len(clients))
-    relay = server.route({c.client_id: c.secure_self_mask((0, 0))["shares"] for c in clients})
+    relay, _ = server.route({c.client_id: c.secure_self_mask((0, 0))["shares"] for c in clients})
     for c in clients:
-        c.secure_receive(relay.get(c.client_id, {}))
+        c.secure_receive(relay.get(c.client_id, {}), (0, 0))
     upload = target.secure_upload(0, (0, 0), bits, len(clients), [c.client_id for c in clients])
     masked, _ = class_means_from_upload(FixedPoint(bits, len(clients)).decode(upload["C"]), Q)
     corr = {name: [float(np.corrcoef(guess[c], truth[c])[0, 1]) for c in present]
@@ -144,7 +148,97 @@ def median_cost(pairs):
     return cost
 
 
-PARTS = ("threat", "cost", "scaling", "dropouts", "h_noise", "mpi")
+def learned_sets(results):
+    """Group -> the contributor sets of its unmasked sums, from a run's record.
+
+    A secure run records them ("contributors": the components of each
+    unmasked sum and, when it split, their union too). For a plain run, the
+    sets today's protocol would have unmasked: the group's clients less the
+    round's dropouts.
+    """
+    members = {}
+    for cid, k in results["groups"].items():
+        members.setdefault(str(k), set()).add(int(cid))
+    sets = {k: [] for k in members}
+    for record in results["rounds"].values():
+        if record["stage"] != "federated":
+            continue
+        if "contributors" in record:
+            for k, parts in record["contributors"].items():
+                whole = frozenset(c for part in parts for c in part)
+                sets[k] += [whole] + ([frozenset(part) for part in parts] if len(parts) > 1 else [])
+        else:
+            dropped = {int(c) for c in record.get("dropped", {})}
+            withheld = record.get("withheld", {})
+            sets.update({k: sets[k] + [frozenset(m - dropped)] for k, m in members.items() if k not in withheld})
+    return sets
+
+
+def excluded_per_layer(results):
+    """Per federated round, the clients the contributor rule left out of their group's secure sum."""
+    return [sum(why.startswith("secure: excluded") for why in r.get("dropped", {}).values())
+            for r in results["rounds"].values() if r["stage"] == "federated"]
+
+
+def close_pair_count(results, min_size):
+    """Pairs of unmasked sums of a group whose contributors differ by 1 to ``min_size`` - 1 clients."""
+    from fedlayer.secure import close_pairs
+
+    return sum(len(close_pairs(sets, min_size)) for sets in learned_sets(results).values())
+
+
+def plain_on_contributors(config, dataset, secure_results):
+    """The plain run in which every client misses exactly the federated rounds the secure run left it out of."""
+    from fedlayer.client import ClientDropout
+    from fedlayer.transport import InProcessTransport
+
+    config = RunConfig(**{**config, "secure": False, "drop_clients": 0.0})
+    out = {}
+    for position, record in enumerate(r for r in secure_results["rounds"].values() if r["stage"] == "federated"):
+        for cid in record.get("dropped", {}):
+            out.setdefault(int(cid), set()).add(position)
+    clients = make_clients(config, dataset, build(config, dataset).config())
+    for client in clients:
+        def local_stats(position, *args, _real=client.local_stats, _out=out.get(client.client_id, ()), **kwargs):
+            if position in _out:
+                raise ClientDropout(f"out of the secure run's sum of layer {position + 1}")
+            return _real(position, *args, **kwargs)
+
+        client.local_stats = local_stats
+    return run(config, transport=InProcessTransport(clients), dataset=dataset)
+
+
+def contributor_rules(seeds, out):
+    """Part 6: pFedACnnL --secure on MNIST-DNN against plain, without and with --drop-clients 0.2."""
+    report = {}
+    for seed in seeds:
+        base = {"algorithm": "pfedacnnl", "dataset": "mnist", "model": "dnn", "seed": seed}
+        dataset = load_dataset(RunConfig(**base))
+        m = RunConfig(**base).min_group_size
+        entry = report.setdefault(str(seed), {"min_group_size": m})
+        if seed == seeds[0]:
+            plain, secure = run(RunConfig(**base), dataset=dataset), run(RunConfig(**base, secure=True), dataset=dataset)
+            entry["no_dropouts"] = {"accuracy": {"plain": plain["accuracy"], "secure": secure["accuracy"]},
+                                    "weights_rel_diff": weight_difference(plain, secure),
+                                    "close_pairs": close_pair_count(secure, m)}
+        plain = run(RunConfig(**base, drop_clients=0.2), dataset=dataset)
+        secure = run(RunConfig(**base, drop_clients=0.2, secure=True), dataset=dataset)
+        reference = plain_on_contributors(base, dataset, secure)
+        federated = [r for r in secure["rounds"].values() if r["stage"] == "federated"]
+        entry["drop_0.2"] = {
+            "accuracy": {"plain": plain["accuracy"], "secure": secure["accuracy"],
+                         "plain_on_secure_contributors": reference["accuracy"]},
+            "close_pairs": {"secure": close_pair_count(secure, m), "plain_as_today": close_pair_count(plain, m)},
+            "excluded_per_layer": excluded_per_layer(secure),
+            "dropped_per_layer": [len(r.get("dropped", {})) for r in federated],
+            "withheld": sum(len(r.get("withheld", {})) for r in federated),
+            "weights_rel_diff_vs_plain_on_contributors": weight_difference(reference, secure),
+        }
+        print("rules", seed, entry, flush=True)
+    return report
+
+
+PARTS = ("threat", "cost", "scaling", "dropouts", "h_noise", "mpi", "rules")
 
 
 def main():
@@ -158,6 +252,8 @@ def main():
     parser.add_argument("--reps", type=int, default=5, help="plain/secure pairs timed on MNIST-DNN (medians reported)")
     parser.add_argument("--scaling-reps", type=int, default=3,
                         help="plain/secure pairs per client count on Synthetic (median reported)")
+    parser.add_argument("--rules-seeds", type=int, nargs="+", default=[0, 1],
+                        help="seeds of the contributor-rule runs (part 'rules'); the first also runs without dropouts")
     args = parser.parse_args()
     use_shared_data()
     out = Path(args.out)
@@ -211,18 +307,19 @@ def main():
                             ("secure 0.1", {"drop_clients": 0.1, "secure": True})):
             results = run(RunConfig(**mnist_base, **extra), dataset=mnist)
             dropped = [len(r.get("dropped", {})) for r in results["rounds"].values() if r["stage"] == "federated"]
-            report["dropouts"][name] = {"accuracy": results["accuracy"], "dropped_per_round": dropped,
-                                        "weights": results["group_weights"]}
+            report["dropouts"][name] = {"accuracy": results["accuracy"], "dropped_per_round": dropped}
             if extra:
                 # Centralized ACnnL on each layer's survivors.
                 reference = survivors_solution(reference_clients, list(results["rounds"].values()),
                                                results["group_weights"][0], gamma=reference_config.gamma)
                 report["dropouts"][name]["vs_survivors_rel_diff"] = weight_difference(
                     results, {"group_weights": {0: reference}})
-        report["dropouts"]["secure_vs_plain_rel_diff"] = weight_difference(
-            {"group_weights": report["dropouts"]["secure 0.1"].pop("weights")},
-            {"group_weights": report["dropouts"]["plain 0.1"].pop("weights")})
-        report["dropouts"]["none"].pop("weights")
+            if extra.get("secure"):
+                # Secure sums keep clients out where the contributor rule needs it: compare with the plain run
+                # on the same contributors.
+                report["dropouts"][name]["excluded_per_round"] = excluded_per_layer(results)
+                report["dropouts"]["secure_vs_plain_rel_diff"] = weight_difference(
+                    plain_on_contributors({**mnist_base, **extra}, mnist, results), results)
         # pFedACnnL: K-means groups of 7-13 clients, so a client has fewer neighbours and the dropouts of a
         # layer weigh more on each self mask's threshold.
         personalized = {}
@@ -235,8 +332,10 @@ def main():
                                          if x["stage"] == "federated"],
                    "withheld": sum(len(x.get("withheld", {})) for x in r["rounds"].values())}
             for name, r in personalized.items()}
-        report["dropouts"]["pfedacnnl"]["secure_vs_plain_rel_diff"] = weight_difference(personalized["secure"],
-                                                                                        personalized["plain"])
+        report["dropouts"]["pfedacnnl"]["secure"]["excluded_per_round"] = excluded_per_layer(personalized["secure"])
+        report["dropouts"]["pfedacnnl"]["secure_vs_plain_rel_diff"] = weight_difference(
+            plain_on_contributors({**mnist_base, "algorithm": "pfedacnnl", "drop_clients": 0.1, "secure": True}, mnist,
+                                  personalized["secure"]), personalized["secure"])
         print("dropouts:", report["dropouts"], flush=True)
 
     if "h_noise" in parts:
@@ -266,6 +365,9 @@ def main():
                               "messages": len(r["transport"])}
                              for r in results["rounds"].values() if r["stage"] == "federated"]
             print("mpi:", report["mpi"], flush=True)
+
+    if "rules" in parts:
+        report["rules"] = contributor_rules(args.rules_seeds, out)
 
     (out / "secure_sums.json").write_text(json.dumps(report, indent=1))
     (out / "secure_sums.md").write_text(render(report, args))
@@ -347,8 +449,10 @@ def render(report, args):
     ]
     for name in ("none", "plain 0.1", "secure 0.1"):
         lines.append(f"| {name} | {d[name]['accuracy']:.4f} | {d[name]['dropped_per_round']} |")
-    lines += ["", f"Secure against plain with the same dropouts: weights differ by {d['secure_vs_plain_rel_diff']:.1e} "
-                  "(relative)."]
+    excluded = d["secure 0.1"].get("excluded_per_round")
+    lines += ["", f"Secure against plain on the secure run's contributors (the clients the contributor rule left out "
+                  f"of a sum fail there too{'' if excluded is None else f'; excluded per layer: {excluded}'}): weights "
+                  f"differ by {d['secure_vs_plain_rel_diff']:.1e} (relative)."]
     if "vs_survivors_rel_diff" in d["plain 0.1"]:
         lines += ["", "Against centralized ACnnL on each layer's survivors (fresh clients of the same data, one batch "
                       "each, summed outside any transport, `fedlayer.federated.survivors_solution`): plain "
@@ -362,7 +466,10 @@ def render(report, args):
         for name in ("plain", "secure"):
             lines.append(f"| {name} | {p[name]['accuracy']:.4f} | {p[name]['dropped_per_round']} | "
                          f"{p[name]['withheld']} |")
-        lines += ["", f"Secure against plain: weights differ by {p['secure_vs_plain_rel_diff']:.1e} (relative)."]
+        excluded = p["secure"].get("excluded_per_round")
+        lines += ["", f"Secure against plain on the secure run's contributors"
+                      f"{'' if excluded is None else f' (excluded per layer: {excluded})'}: weights differ by "
+                      f"{p['secure_vs_plain_rel_diff']:.1e} (relative)."]
     lines += ["", "## Noise on the label summaries (MNIST-DNN, pFedACnnL, `--secure --h-noise SIGMA`)", "",
               "| SIGMA | accuracy | groups after merging | adjusted Rand index against SIGMA = 0 |", "|---|---|---|---|"]
     for sigma, r in report["h_noise"].items():
@@ -377,6 +484,27 @@ def render(report, args):
         for r in report["mpi"]:
             lines.append(f"| {r['layer']} | {r['client_upload_bytes']:,} | {r['rank0_received_bytes']:,} | "
                          f"{r['messages']} |")
+    if "rules" in report:
+        lines += ["", "## Contributor rules (MNIST-DNN, pFedACnnL; `--parts rules`)", "",
+                  "Close pairs: pairs of unmasked sums of a group whose contributors differ by 1 to "
+                  "min_group_size - 1 clients (their difference is those clients' statistics; with one client, its "
+                  "class counts). For the plain run, counted as today's protocol would have unmasked its sums "
+                  "(the group less the round's dropouts).", "",
+                  "| seed | run | accuracy | close pairs | excluded per layer | weights rel. diff |",
+                  "|---|---|---|---|---|---|"]
+        for seed, entry in report["rules"].items():
+            if "no_dropouts" in entry:
+                e = entry["no_dropouts"]
+                lines.append(f"| {seed} | no dropouts, plain | {e['accuracy']['plain']:.4f} | | | |")
+                lines.append(f"| {seed} | no dropouts, secure | {e['accuracy']['secure']:.4f} | {e['close_pairs']} | | "
+                             f"{e['weights_rel_diff']:.1e} (against plain) |")
+            e = entry["drop_0.2"]
+            lines.append(f"| {seed} | `--drop-clients 0.2`, plain | {e['accuracy']['plain']:.4f} | "
+                         f"{e['close_pairs']['plain_as_today']} | | |")
+            lines.append(f"| {seed} | `--drop-clients 0.2`, secure | {e['accuracy']['secure']:.4f} | "
+                         f"{e['close_pairs']['secure']} | {e['excluded_per_layer']} | "
+                         f"{e['weights_rel_diff_vs_plain_on_contributors']:.1e} (against plain on its contributors, "
+                         f"accuracy {e['accuracy']['plain_on_secure_contributors']:.4f}) |")
     return "\n".join(lines) + "\n"
 
 
