@@ -91,6 +91,22 @@ def _center(G, C, x_sum, y_sum, weight_sum, fit_intercept):
     return G, C
 
 
+def _scaled_blocks(X, Y, sample_weight, weighted, rows_too=True):
+    """(sqrt(w) X, sqrt(w) [Y 1]) over blocks of ``BLOCK_ROWS`` rows, in X's dtype; X's rows as given (a view)
+    when unweighted, None when not ``rows_too``."""
+    n, m = Y.shape
+    for start in range(0, n, BLOCK_ROWS):
+        rows = slice(start, min(start + BLOCK_ROWS, n))
+        root = np.sqrt(sample_weight[rows]).astype(X.dtype)[:, None]
+        Z = np.empty((root.shape[0], m + 1), dtype=X.dtype)
+        np.multiply(Y[rows], root, out=Z[:, :m])
+        Z[:, m:] = root
+        if not rows_too:
+            yield None, Z
+        else:
+            yield (X[rows] * root if weighted else X[rows]), Z
+
+
 def _solve_alpha(G, C, alpha, on_failure="raise"):
     """(G + alpha_j I)^-1 C_j per target j, (d, t) float64. With on_failure='raise' the last solve factors G
     in place (no d x d copy); 'eigh' keeps G for its fallback."""
@@ -146,26 +162,39 @@ class _StreamingRidgeBase(BaseEstimator):
         """The sums of one batch (rows X, target columns Y in X's dtype), as a dict like ``_empty_sums``.
 
         With ``gram``, the batch's X^T W X is added into that array (the estimator's own, so that
-        ``partial_fit`` needs no d x d temporary) and returned under ``gram_``.
+        ``partial_fit`` of unweighted rows needs no d x d temporary) and returned under ``gram_``.
+        Every refusal (values whose products overflow) comes before ``gram`` is touched.
         """
         n, d = X.shape
         m = Y.shape[1]
         weighted = not np.all(sample_weight == 1.0)
-        gram = np.zeros((d, d), order="F") if gram is None else gram
-        # X^T [Y 1] and [Y 1]^T [Y 1] of the rows scaled by sqrt(w): cross terms, x_sum, y_sum, weight
-        # sum and squares of the targets in two products of the kernels, in float64.
-        cross = np.zeros((d, m + 1))
+        fresh = gram is None
+        gram = np.zeros((d, d), order="F") if fresh else gram
+        # [Y 1]^T [Y 1] and X^T [Y 1] of the rows scaled by sqrt(w): y_sum, the weight sum, the targets'
+        # squares, the cross terms and x_sum, in float64 from two products of the kernels.
         targets = np.zeros((m + 1, m + 1))
-        for start in range(0, n, BLOCK_ROWS):
-            rows = slice(start, min(start + BLOCK_ROWS, n))
-            root = np.sqrt(sample_weight[rows]).astype(X.dtype)[:, None]
-            Xb = X[rows] * root if weighted else X[rows]
-            Zb = np.empty((Xb.shape[0], m + 1), dtype=X.dtype)
-            np.multiply(Y[rows], root, out=Zb[:, :m])
-            Zb[:, m:] = root
-            gram_update(gram, Xb)
-            cross_update(cross, Xb, Zb)
-            gram_update(targets, Zb)
+        try:
+            for _, Zb in _scaled_blocks(X, Y, sample_weight, weighted, rows_too=False):
+                gram_update(targets, Zb)
+        except ValueError:
+            raise ValueError(f"y holds values whose squares overflow {X.dtype} when summed (largest |y| "
+                             f"{float(np.abs(Y).max()):.3g}); pass float64 data") from None
+        cross = np.zeros((d, m + 1))
+        if weighted:
+            # The scaled rows exist one block at a time: summed apart, so that a refused block leaves gram as it was.
+            part = gram if fresh else np.zeros((d, d), order="F")
+            for Xb, Zb in _scaled_blocks(X, Y, sample_weight, weighted):
+                gram_update(part, Xb)
+                cross_update(cross, Xb, Zb, check_finite=False)
+            if not fresh:
+                add_upper(gram, part)
+        else:
+            # The rows as given, in one call: its finiteness check and thread set-up once, not per block.
+            gram_update(gram, X)
+            for Xb, Zb in _scaled_blocks(X, Y, sample_weight, weighted):
+                # Both Grams refused values whose squares, summed over the kernels' blocks of rows, overflow;
+                # then by Cauchy-Schwarz no block sum of X^T Z does: no third pass over X to check it.
+                cross_update(cross, Xb, Zb, check_finite=False)
         return {"gram_": gram, "x_sum_": cross[:, m].copy(), "weight_sum_": float(targets[m, m]),
                 "n_samples_seen_": n,
                 **self._target_sums(cross[:, :m], targets[:m, m], np.diagonal(targets)[:m].copy())}

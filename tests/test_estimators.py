@@ -317,6 +317,21 @@ def test_unfit_refusals_change_nothing(rng):
         fastls.StreamingRidge().partial_unfit(X, y)
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_partial_fit_refuses_float32_overflow_before_changing_anything(rng, weighted):
+    X, y = regression(rng, n=60, d=3)
+    model = fastls.StreamingRidge().fit(X.astype(np.float32), y.astype(np.float32))
+    before = state(model)
+    w = np.full(60, 2.0) if weighted else None
+    huge_rows = X.astype(np.float32)
+    huge_rows[40:] = 1e19  # squares overflow float32
+    with pytest.raises(ValueError, match="X contains NaN or Inf .or values whose squares overflow float32"):
+        model.partial_fit(huge_rows, y.astype(np.float32), sample_weight=w)
+    with pytest.raises(ValueError, match="y holds values whose squares overflow float32"):
+        model.partial_fit(X.astype(np.float32), np.full(60, 1e19, dtype=np.float32), sample_weight=w)
+    assert_same_state(before, state(model))
+
+
 def test_classifier_unfit_refusals_change_nothing(rng):
     X, y = classification(rng, n=90, classes=3)
     model = fastls.StreamingRidgeClassifier().fit(X, y)
