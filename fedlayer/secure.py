@@ -47,7 +47,8 @@ neighbours of its group instead of all of them, so the work grows as n log n.
   one client give that client's class histogram. The server chooses each
   sum's contributors (:func:`choose_contributors`) so that any two unmasked
   sums of a group have the same contributors or contributors at least
-  ``min_group_size`` apart, and so that no component of their neighbour
+  ``min_group_size`` apart, no linear combination of them isolates one or two
+  clients (:func:`combination_leak`), and no component of their neighbour
   graph is smaller than that (the pairwise masks cancel inside a component:
   its sum could be decoded alone); the others are left out before masking,
   as if they had dropped. :meth:`SecureServer.unmask` refuses a split graph
@@ -83,7 +84,7 @@ import numpy as np
 
 __all__ = ["class_means_from_upload", "FixedPoint", "fraction_bits", "neighbour_graph", "threshold", "shamir_split", "shamir_combine",
            "SecureClientState", "SecureServer", "PRIME", "SecureAggregationError", "choose_contributors", "close_pairs",
-           "components", "admissible", "secagg_degree", "split_bound"]
+           "components", "admissible", "combination_leak", "secagg_degree", "split_bound"]
 
 #: Shamir shares live in GF(p) for the Mersenne prime 2^521 - 1 (any 32-byte secret fits).
 PRIME = 2**521 - 1
@@ -316,14 +317,64 @@ def close_pairs(sets, min_size):
             if 0 < len(sets[i] ^ sets[j]) < min_size]
 
 
+def combination_leak(sets, min_size):
+    """Clients (one, or two when ``min_size`` > 2) whose statistics a linear combination of the sums over
+    ``sets`` isolates, or None.
+
+    The layer-independent parts of the sums (the class counts in C's bias row,
+    the sample count in G's) add up the same way in every layer, so the
+    server holds sum_S a_S 1_S . counts for any coefficients a_S: a client's
+    counts are exposed when its indicator e_i lies in the span of the sets'
+    indicators, and the counts of two clients (their sum, or difference) when
+    a nonzero vector supported on them does. With Q the projection on the
+    span's orthogonal complement, e_i is in the span iff Q_ii = 0, and some
+    vector on {i, j} iff Q_ii Q_jj - Q_ij^2 = 0. Sets pairwise at least
+    ``min_size`` apart can still combine so: all of 0..8, {3..7}, {2, 4..8}
+    and {0, 1, 4..7} are pairwise three or more apart, and half the first two
+    sums less the last two is client 3's counts. Supports of three or more
+    clients are not searched.
+    """
+    sets = list({frozenset(s) for s in sets})
+    if not sets:
+        return None
+    cids = sorted(set().union(*sets))
+    M = np.array([[c in s for c in cids] for s in sets], dtype=np.float64)
+    _, singular, vt = np.linalg.svd(M, full_matrices=False)
+    basis = vt[singular > 1e-9 * singular[0]]
+    Q = np.eye(len(cids)) - basis.T @ basis
+    diagonal = np.diag(Q)
+    alone = np.flatnonzero(diagonal < 1e-9)
+    if alone.size:
+        return (cids[alone[0]],)
+    if min_size > 2:
+        minors = np.outer(diagonal, diagonal) - Q * Q
+        np.fill_diagonal(minors, np.inf)
+        i, j = np.unravel_index(np.argmin(minors), minors.shape)
+        if minors[i, j] < 1e-9:
+            return (cids[min(i, j)], cids[max(i, j)])
+    return None
+
+
 def admissible(candidate, graph, history, min_size):
     """Whether unmasking a sum over ``candidate`` keeps every rule: components of at least ``min_size``, each
-    (and the whole) equal to or at least ``min_size`` clients away from every set in ``history``."""
+    (and the whole) equal to or at least ``min_size`` clients away from every set in ``history``, and no
+    linear combination of them and ``history`` that isolates one or two clients (:func:`combination_leak`)."""
+    return _broken(candidate, graph, history, min_size) == 0
+
+
+def _broken(candidate, graph, history, min_size):
+    """How many of the rules of :func:`admissible` a sum over ``candidate`` breaks (0: none), counted so that
+    removing clients one at a time can be steered towards 0: clients in too small components, pairs of sets too
+    close, and one for a linear combination that isolates clients."""
+    if not candidate:
+        return 1
     parts = components(graph, candidate)
-    if not candidate or any(len(part) < min_size for part in parts):
-        return False
     learned = {frozenset(candidate), *map(frozenset, parts)}
-    return all(s == p or len(s ^ p) >= min_size for s in learned for p in history)
+    broken = sum(len(part) for part in parts if len(part) < min_size)
+    broken += sum(1 for s in learned for p in history if s != p and len(s ^ p) < min_size)
+    if broken == 0 and not learned <= set(history):
+        broken += combination_leak([*history, *learned], min_size) is not None
+    return broken
 
 
 def choose_contributors(alive, graph, history, min_size):
@@ -344,18 +395,11 @@ def choose_contributors(alive, graph, history, min_size):
     alive = frozenset(int(c) for c in alive)
     candidates = [p for p in set(history) if p <= alive and admissible(p, graph, history, min_size)]
     current = set(alive)
-
-    def broken(members):
-        parts = components(graph, members)
-        small = sum(len(part) for part in parts if len(part) < min_size)
-        learned = {frozenset(members), *map(frozenset, parts)}
-        return small + sum(1 for s in learned for p in history if s != p and len(s ^ p) < min_size)
-
     while len(current) >= min_size:
         if admissible(current, graph, history, min_size):
             candidates.append(frozenset(current))
             break
-        current.remove(min(current, key=lambda c: (broken(current - {c}), c)))
+        current.remove(min(current, key=lambda c: (_broken(current - {c}, graph, history, min_size), c)))
     if not candidates:
         return None
     return sorted(max(candidates, key=lambda s: (len(s), s in history, sorted(-c for c in s))))

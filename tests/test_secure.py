@@ -13,6 +13,7 @@ from fedlayer.secure import (
     SecureAggregationError,
     SecureClientState,
     SecureServer,
+    choose_contributors,
     close_pairs,
     components,
     fraction_bits,
@@ -929,3 +930,17 @@ def test_a_resumed_secure_run_keeps_the_contributor_rule(rng, tmp_path):
                            secure=SecureServer(seed=5), resume=state, fingerprint={"test": 1})
     assert [r["contributors"] for r in resumed["rounds"]] == [{"0": [[0, 1, 2, 3, 5, 6, 7, 8]]}] * 3
     assert [r["dropped"] for r in resumed["rounds"][1:]] == [{"4": EXCLUDED.format(m=3)}] * 2
+
+
+def test_sums_pairwise_apart_that_combine_to_one_client_are_not_all_unmasked():
+    """Four sums of nine clients, pairwise three or more apart: (S1 + S2 - S3 - S4) / 2 is client 3's counts."""
+    from fedlayer.secure import combination_leak
+
+    sets = [range(9), [3, 4, 5, 6, 7], [2, 4, 5, 6, 7, 8], [0, 1, 4, 5, 6, 7]]
+    assert close_pairs(sets, 3) == []
+    assert combination_leak(sets, 3) == (3,)
+    assert combination_leak(sets[:3], 3) is None
+    assert combination_leak([range(9), [0, 1, 2, 3, 4, 5, 6]], 3) == (7, 8)  # two apart: 7 and 8 together
+    graph = neighbour_graph(range(9), seed=0)  # complete
+    chosen = choose_contributors(sets[3], graph, [frozenset(s) for s in sets[:3]], 3)
+    assert chosen is None or combination_leak([*sets[:3], chosen], 3) is None
