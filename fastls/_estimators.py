@@ -493,8 +493,13 @@ class StreamingRidge(MultiOutputMixin, RegressorMixin, _StreamingRidgeBase):
     float32 data are multiplied in float32 BLAS over blocks of 4,096 rows added in float64
     (:func:`fastls.gram_update`), so their statistics carry float32 rounding per block, not per
     data set. Memory is O(n_features^2 + n_features n_targets) whatever the rows: the statistics,
-    one d x d copy while solving, and targets (and, with sample weights, rows) of 16,384 rows at a
-    time. Sample weights are frequencies: weight 2 is the row twice.
+    one more d x d array while accumulating (the kernel's finiteness check, or with sample weights
+    the batch's Gram) and while solving, and targets (and, with sample weights, rows) of 16,384
+    rows at a time. Sample weights are frequencies: weight 2 is the row twice.
+
+    ``fit`` solves; after ``partial_fit``, ``merge`` or ``partial_unfit`` the solve waits for the
+    first use of the coefficients (``predict``, ``score``, ``coef_``, ``alpha_``), so that a stream
+    of batches pays one solve, not one per batch.
 
     Examples
     --------
