@@ -20,7 +20,9 @@ import numpy as np
 
 from ._validation import Options, check_param
 from .baselines import BASELINES, PERSONALIZED, BaselineClient, baseline_hyper, run_baseline
+from .baselines.cohort import ClientCohort
 from .baselines.models import MODEL_HIDDEN
+from .baselines.server import load_baseline_checkpoint
 from .client import Client, target_bases
 from .federated import VARIANTS, Variant, run_protocol
 from .secure import SecureServer
@@ -90,6 +92,9 @@ class Algorithm:
         """The client object for client ``cid`` holding ``data``."""
         raise NotImplementedError
 
+    def host(self, clients, config):
+        """Set up what the clients of one process share (called once per process with all its clients)."""
+
     def train(self, config, transport, model, clock, progress):
         """Train over ``transport``; returns an :class:`Outcome`."""
         raise NotImplementedError
@@ -143,6 +148,7 @@ class AnalyticAlgorithm(Algorithm):
         if not self.variant.cluster:
             notes.append(_ignored(config, self.name, ("groups", "gamma_scope", "h_noise"),
                                   "the grouping algorithms (pfedacnnl, pfedacnnl-wp)"))
+        notes.append(_ignored(config, self.name, ("engine", "checkpoint_every"), f"the baselines ({', '.join(BASELINES)})"))
         return [note for note in notes if note]
 
     def check_config(self, config):
@@ -262,25 +268,38 @@ class BaselineAlgorithm(Algorithm):
                 or config.forward != "cached":
             raise ValueError(f"drop_clients, round_deadline, secure, h_noise and forward apply to the analytic "
                              f"methods; {self.name!r} takes none of them")
-        if config.resume or config.checkpoint:
-            raise ValueError(f"resume and checkpoint apply to the analytic methods (a checkpoint per trained layer); "
-                             f"{self.name!r} keeps no checkpoint")
         baseline_hyper(self.name, config.dataset, config.model, **(config.hyper or {}))  # names unknown keys
+
+    def fingerprint(self, config, hyper):
+        """The settings that determine a baseline's parameters (checked on resume); each hyperparameter by name."""
+        return {"algorithm": self.name, "model": config.model, **config.split(),
+                **{f"hyperparameter {key}": value for key, value in sorted(hyper.items())}}
 
     def make_client(self, cid, data, config, n_classes, model_config, cores):
         return BaselineClient(cid, data, config.model, n_classes, config.seed, cores)
+
+    def host(self, clients, config):
+        """The batched engine joins a process's clients into one cohort; the per-client engine leaves them alone."""
+        if config.engine == "batched" and clients:
+            ClientCohort(clients)
 
     def train(self, config, transport, model, clock, progress):
         hyper = baseline_hyper(self.name, config.dataset, config.model, **(config.hyper or {}))
         rounds = config.rounds or hyper.pop("rounds")
         hyper.pop("rounds", None)
-        announce_rounds(progress, rounds)
+        fingerprint = self.fingerprint(config, hyper)
+        checkpoint, resume = config.checkpoint_path(), None
+        if config.resume and checkpoint.exists():
+            resume = load_baseline_checkpoint(checkpoint, fingerprint)
+        announce_rounds(progress, rounds - (len(resume["rounds"]) if resume else 0))
         outcome = run_baseline(transport, self.name, rounds, clock=clock, eval_every=config.eval_every,
-                               progress=progress, **hyper)
+                               progress=progress, checkpoint=checkpoint, checkpoint_every=config.checkpoint_every,
+                               fingerprint=fingerprint, resume=resume, **hyper)
         params = outcome["params"]
         return Outcome(
             rounds=outcome["rounds"], accuracy=outcome["accuracy"],
-            results={"hyperparameters": hyper, "best_accuracy": outcome["best_accuracy"]},
+            results={"hyperparameters": hyper, "best_accuracy": outcome["best_accuracy"], "engine": config.engine,
+                     "resumed_from_round": len(resume["rounds"]) if resume else None},
             in_memory={"params": params},
             files={"params.npy": lambda path: np.save(path, params)},
         )

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["save_checkpoint", "load_checkpoint"]
+__all__ = ["check_fingerprint", "load_checkpoint", "read_state", "save_checkpoint", "write_state"]
 
 _FORMAT = "fedlayer-checkpoint-2"
 #: Fingerprint keys added after checkpoints of this format were written, with the behaviour before them: an
@@ -52,8 +52,6 @@ def _digest(state_json, arrays):
 
 def save_checkpoint(path, *, fingerprint, layers_done, group_of, group_weights, batch, first_durations, rounds):
     """Write the state to ``path`` atomically (temporary file, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     state = {
         "format": _FORMAT,
         "fingerprint": fingerprint,
@@ -65,6 +63,17 @@ def save_checkpoint(path, *, fingerprint, layers_done, group_of, group_weights, 
         "groups": sorted(group_weights),
     }
     arrays = {f"w_{k}_{i}": W for k, weights in group_weights.items() for i, W in enumerate(weights)}
+    write_state(path, state, arrays)
+
+
+def write_state(path, state, arrays):
+    """Write a JSON-able ``state`` and named ``arrays`` to ``path`` atomically (temporary file, fsync, rename).
+
+    The arrays are stored bit for bit with a SHA-256 digest of everything,
+    which :func:`read_state` checks.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     state_json = json.dumps(state)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
@@ -79,15 +88,27 @@ def save_checkpoint(path, *, fingerprint, layers_done, group_of, group_weights, 
         raise
 
 
-def load_checkpoint(path, fingerprint):
-    """The state saved by :func:`save_checkpoint`, checked against this run's fingerprint.
+def check_fingerprint(path, saved, fingerprint):
+    """Refuse to resume from ``path`` unless the ``saved`` settings equal this run's ``fingerprint``.
+
+    The message names every setting that differs with both values, (saved, now).
+    """
+    fingerprint = json.loads(json.dumps(fingerprint))  # as it would be stored: tuples as JSON lists
+    if saved != fingerprint:
+        diff = {k: (saved.get(k), fingerprint.get(k)) for k in {**saved, **fingerprint}
+                if saved.get(k) != fingerprint.get(k)}
+        raise ValueError(f"checkpoint {path} was written by another configuration: (saved, now) = {diff}; "
+                         f"remove {path} to start over (or run without --resume, which overwrites it)")
+
+
+def read_state(path, expected_format):
+    """(state, arrays) written by :func:`write_state`, refused unless intact and of ``expected_format``.
 
     Raises
     ------
     ValueError
-        If the file is empty, truncated, damaged, not a fedlayer checkpoint,
-        or written by another configuration; the message says how to start
-        over.
+        If the file is empty, truncated, damaged, not a fedlayer checkpoint
+        or of another format; the message says how to start over.
     """
     start_over = f"remove {path} to start over (or run without --resume, which overwrites it)"
     try:
@@ -107,18 +128,26 @@ def load_checkpoint(path, fingerprint):
         raise ValueError(f"checkpoint {path} is damaged (its content does not match its SHA-256 digest); "
                          f"{start_over}")
     state = json.loads(state_json)
-    if state.get("format") != _FORMAT:
+    if state.get("format") != expected_format:
         raise ValueError(f"{path} is not a checkpoint of this fedlayer version (format {state.get('format')!r}, "
-                         f"expected {_FORMAT!r}); {start_over}")
+                         f"expected {expected_format!r}); {start_over}")
+    return state, stored
+
+
+def load_checkpoint(path, fingerprint):
+    """The state saved by :func:`save_checkpoint`, checked against this run's fingerprint.
+
+    Raises
+    ------
+    ValueError
+        If the file is empty, truncated, damaged, not a fedlayer checkpoint,
+        or written by another configuration; the message says how to start
+        over.
+    """
+    state, stored = read_state(path, _FORMAT)
     saved = {**_ADDED_KEYS, **state["fingerprint"]}
     saved.update({key: renamed.get(saved[key], saved[key]) for key, renamed in _RENAMED_VALUES.items() if key in saved})
-    # This run's side as it would be stored: the keys added since with their defaults, tuples as JSON lists.
-    fingerprint = {**_ADDED_KEYS, **json.loads(json.dumps(fingerprint))}
-    if saved != fingerprint:
-        diff = {k: (saved.get(k), fingerprint.get(k)) for k in {**saved, **fingerprint}
-                if saved.get(k) != fingerprint.get(k)}
-        raise ValueError(f"checkpoint {path} was written by another configuration: (saved, now) = {diff}; "
-                         f"{start_over}")
+    check_fingerprint(path, saved, {**_ADDED_KEYS, **fingerprint})
     group_weights = {int(k): [stored[f"w_{k}_{i}"] for i in range(state["layers_done"])] for k in state["groups"]}
     return {
         "layers_done": state["layers_done"],

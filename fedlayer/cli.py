@@ -133,10 +133,14 @@ def _summary(results):
             "layers are fitted to encoded labels, and the output layer keeps its random initial weights until "
             "its own round)")
     if cfg.get("resume"):
-        resumed = results.get("resumed_from_layer")
-        lines.append(f"(resumed from the checkpoint after layer {resumed})" if resumed is not None else
+        unit = "round" if "resumed_from_round" in results else "layer"
+        resumed = results.get(f"resumed_from_{unit}")
+        lines.append(f"(resumed from the checkpoint after {unit} {resumed})" if resumed is not None else
                      f"(--resume found no checkpoint at {RunConfig.from_dict(cfg).checkpoint_path()}, so "
-                     "the run started from its first layer)")
+                     f"the run started from its first {unit})")
+    if results.get("engine") == "batched":
+        lines.append("(batched engine: each client's compute time is its process's wall time shared evenly, not "
+                     "measured per client; --engine per-client times each client)")
     lines.extend(_regularization_lines(results["rounds"]))
     lines.append(
         f"final accuracy {results['accuracy']:.4f}; averaged total training time per client {t['total_s']:.3f} s "
@@ -274,8 +278,12 @@ def _resume_hint(config):
     from .algorithms import ALGORITHMS, BaselineAlgorithm
 
     checkpoint = config.checkpoint_path()
-    if isinstance(ALGORITHMS[config.algorithm], BaselineAlgorithm):
-        return "the baselines keep no checkpoint: run the command again to start over"
+    baseline = isinstance(ALGORITHMS[config.algorithm], BaselineAlgorithm)
+    if baseline and checkpoint is not None and checkpoint.exists():
+        return f"the rounds trained so far are in {checkpoint}: run the same command with --resume to go on"
+    if baseline:
+        return (f"no checkpoint had been written yet (every {config.checkpoint_every} rounds)" if checkpoint
+                else "no checkpoint was kept (give --output or --checkpoint to be able to --resume)")
     if checkpoint is not None and checkpoint.exists():
         return f"the layers trained so far are in {checkpoint}: run the same command with --resume to go on"
     if checkpoint is not None:

@@ -76,6 +76,8 @@ CONFIG_CONSTRAINTS = {
     "resume": [Boolean()],
     "rounds": [None, Interval(int, 1, None)],
     "eval_every": _POSITIVE_INT,
+    "engine": [Options("batched", "per-client")],
+    "checkpoint_every": _POSITIVE_INT,
     "hyper": [None, InstanceOf(dict, "a dict of hyperparameter names to numbers")],
     "drop_clients": [Interval(float, 0, 1, closed="left")],
     "round_deadline": [None] + _POSITIVE,
@@ -123,9 +125,11 @@ class RunConfig:
     data_dir: str | None = None
     output: str | None = None    # directory for results.json and the models
     checkpoint: str | None = None  # server checkpoint after every layer (default: OUTPUT/checkpoint.npz)
-    resume: bool = False         # continue from the checkpoint's last finished layer
+    resume: bool = False         # continue from the checkpoint's last finished layer (baselines: round)
+    checkpoint_every: int = 10   # baselines only: rounds between checkpoints (and after the last)
     rounds: int | None = None    # baselines only: training rounds (default: the paper's, see BASELINES)
     eval_every: int = 1          # evaluate every this many training rounds (and the last)
+    engine: str = "batched"      # baselines only: all of a process's clients step together, or "per-client" (timed)
     hyper: dict | None = None    # baselines only: hyperparameter overrides, e.g. {"lr": 1e-4} (see BASELINES)
     drop_clients: float = 0.0    # analytic methods: chance that a client fails in a round (seeded; simulated)
     round_deadline: float | None = None  # analytic methods: a client busy longer (s) in a round drops out of it
@@ -232,6 +236,7 @@ def make_clients(config: RunConfig, dataset, model_config, client_ids=None, max_
             raise ValueError(f"client {cid} has no training samples; lower --clients or raise --min-samples")
         clients.append(algorithm.make_client(cid, data, config, dataset.n_classes, model_config, cores[cid]))
         del data
+    algorithm.host(clients, config)
     return clients
 
 

@@ -1,4 +1,11 @@
-"""A client of the baselines: local SGD, zeroth-order or Moreau-envelope updates of one round."""
+"""A client of the baselines: local SGD, zeroth-order or Moreau-envelope updates of one round.
+
+This is the per-client engine: each client trains alone, one minibatch and
+one direction at a time, under its own clock (the compute times of Fig. 5).
+:class:`fedlayer.baselines.cohort.ClientCohort` is the batched engine; both
+draw from :meth:`BaselineClient.rng` in the same order and step with the
+functions below.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +20,27 @@ from .estimators import stein_gradient, zo_sphere_gradient
 from .hyper import BASELINES
 from .models import make_baseline_model
 
-__all__ = ["BaselineClient"]
+__all__ = ["BaselineClient", "moreau_inner_step", "moreau_outer_step"]
+
+
+def moreau_inner_step(theta, w, grad, personal_lr, lamda, work=None):
+    """theta -= personal_lr * (grad + lamda * (theta - w)), in place (any matching shapes).
+
+    ``work`` (theta's shape) holds the intermediate; the operations are the
+    expression's, one at a time, so the rounding is the expression's.
+    """
+    work = np.subtract(theta, w, out=work)
+    work *= lamda
+    work += grad
+    work *= personal_lr
+    theta -= work
+
+
+def moreau_outer_step(w, theta, lr, lamda, work=None):
+    """w -= lr * lamda * (w - theta), in place: pFedMe's local update of the global model."""
+    work = np.subtract(w, theta, out=work)
+    work *= lr * lamda
+    w -= work
 
 
 class BaselineClient:
@@ -43,22 +70,26 @@ class BaselineClient:
         self.model = make_baseline_model(model_name, data.x_train.shape[1:], n_classes)
         self.params = None  # last local parameters (w)
         self.theta = None   # personalized model (pFedMe / pFedZO)
+        self.cohort = None  # the batched engine this client's rounds run in (ClientCohort.join), or None
         fastls.blas_info()  # build threadpoolctl's controller outside the timed rounds
 
     # -- helpers --------------------------------------------------------------
-    def _rng(self, round_index, tag):
-        return np.random.default_rng([self.seed, self.client_id, int(round_index), tag])
+    def rng(self, round_index, algorithm):
+        """This client's generator for one round of ``algorithm`` (both engines draw from it in one order)."""
+        return np.random.default_rng([self.seed, self.client_id, int(round_index), _RNG_TAGS[algorithm]])
 
     def _batch(self, idx):
         return self.data.x_train[idx], self.data.y_train[idx]
 
-    def _sample(self, rng, size):
+    def sample(self, rng, size):
+        """Row indices of one minibatch of ``min(size, n_train)`` rows, drawn without replacement."""
         n = self.data.n_train
         return rng.choice(n, size=min(int(size), n), replace=False)
 
     def _f(self, x, y):
-        model = self.model
-        return lambda p: model.loss(p, x, y)
+        """The losses (J,) of a stack of parameter vectors (J, P) on the batch (x, y)."""
+        x = x.reshape(len(x), -1).astype(np.float64, copy=False)[None]
+        return lambda params: self.model.stacked_loss(params[None], x, y[None])[0]
 
     # -- methods the server calls ---------------------------------------------
     def initial_params(self):
@@ -66,15 +97,20 @@ class BaselineClient:
         return {"params": self.model.init_params(self.seed)}
 
     def local_train(self, algorithm, params, round_index, **hyper):
-        """Local update of one round; returns ``{"params", "n", "compute_s"}``."""
+        """Local update of one round; returns ``{"params", "n", "compute_s"}`` (and ``"engine"`` from a cohort)."""
         algorithm = str(algorithm).lower()
         method = getattr(self, f"_{algorithm}", None)
         if algorithm not in BASELINES or method is None:
             raise ValueError(f"unknown baseline {algorithm!r}; choose one of {sorted(BASELINES)}")
-        w = np.array(params, dtype=np.float64)  # own copy
-        start = time.perf_counter()
-        with fastls.limit_cores(self.cores):
-            w = method(w, round_index, **hyper)
+        # Step sizes that overflow are reported by the server, which names the round and the hyperparameters
+        # (Diverged); NumPy's overflow warnings on the way there would only bury that message.
+        with np.errstate(over="ignore", invalid="ignore"):
+            if self.cohort is not None:
+                return self.cohort.local_train(self, algorithm, params, round_index, hyper)
+            w = np.array(params, dtype=np.float64)  # own copy
+            start = time.perf_counter()
+            with fastls.limit_cores(self.cores):
+                w = method(w, round_index, **hyper)
         compute_s = time.perf_counter() - start
         self.params = w
         return {"params": w, "n": self.data.n_train, "compute_s": compute_s}
@@ -91,7 +127,7 @@ class BaselineClient:
 
     # -- local updates --------------------------------------------------------
     def _fedavg(self, w, round_index, *, lr, batch_size, local_epochs=1):
-        rng = self._rng(round_index, 1)
+        rng = self.rng(round_index, "fedavg")
         for _ in range(int(local_epochs)):
             order = rng.permutation(self.data.n_train)
             for s in range(0, len(order), int(batch_size)):
@@ -100,14 +136,14 @@ class BaselineClient:
         return w
 
     def _fedzo(self, w, round_index, *, lr, local_iters, b1, b2=20, mu=1e-3):
-        rng = self._rng(round_index, 2)
+        rng = self.rng(round_index, "fedzo")
         for _ in range(int(local_iters)):
-            x, y = self._batch(self._sample(rng, b1))
+            x, y = self._batch(self.sample(rng, b1))
             w -= lr * zo_sphere_gradient(self._f(x, y), w, b2, mu, rng)
         return w
 
     def _baffle(self, w, round_index, *, lr, batch_size, K=100, sigma=1e-4, clip=0.3, local_epochs=1):
-        rng = self._rng(round_index, 3)
+        rng = self.rng(round_index, "baffle")
         for _ in range(int(local_epochs)):
             order = rng.permutation(self.data.n_train)
             for s in range(0, len(order), int(batch_size)):
@@ -117,14 +153,14 @@ class BaselineClient:
 
     def _moreau(self, w, round_index, inner_grad, *, lr, personal_lr, lamda, K, batch_size, local_epochs):
         """pFedMe's local rounds; ``inner_grad(theta, x, y, rng)`` is the gradient (or its estimate) of f."""
-        rng = self._rng(round_index, 4)
+        rng = self.rng(round_index, "pfedme")
         theta = w.copy()
         for _ in range(int(local_epochs)):
-            x, y = self._batch(self._sample(rng, batch_size))
+            x, y = self._batch(self.sample(rng, batch_size))
             # theta ~ argmin f(theta; batch) + lamda/2 ||theta - w||^2, by K gradient steps (warm start).
             for _ in range(int(K)):
-                theta -= personal_lr * (inner_grad(theta, x, y, rng) + lamda * (theta - w))
-            w -= lr * lamda * (w - theta)
+                moreau_inner_step(theta, w, inner_grad(theta, x, y, rng), personal_lr, lamda)
+            moreau_outer_step(w, theta, lr, lamda)
         self.theta = theta
         return w
 
@@ -140,3 +176,8 @@ class BaselineClient:
 
         return self._moreau(w, round_index, inner, lr=lr, personal_lr=personal_lr, lamda=lamda, K=K,
                             batch_size=batch_size, local_epochs=local_epochs)
+
+
+#: The last word of each client generator's seed: the tags the per-client engine always used
+#: (pFedZO shares pFedMe's, as it shares its local rounds).
+_RNG_TAGS = {"fedavg": 1, "fedzo": 2, "baffle": 3, "pfedme": 4, "pfedzo": 4}

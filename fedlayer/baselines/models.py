@@ -44,11 +44,17 @@ class BaselineModel:
 
     # -- parameters ----------------------------------------------------------
     def unpack(self, params):
-        """Views ``[W_1, b_1, W_2, b_2, ...]`` into the flat vector ``params``."""
+        """Views ``[W_1, b_1, W_2, b_2, ...]`` into ``params``.
+
+        ``params`` is one flat vector (n_params,) or a stack of them (..., n_params);
+        the views then carry the same leading axes, e.g. W_1 of shape (..., n_in, n_out).
+        """
         params = np.asarray(params)
-        if params.shape != (self.n_params,):
-            raise ValueError(f"expected a flat vector of {self.n_params} parameters, got shape {params.shape}")
-        return [params[a:b].reshape(s) for a, b, s in zip(self.offsets[:-1], self.offsets[1:], self.shapes)]
+        if params.ndim < 1 or params.shape[-1] != self.n_params:
+            raise ValueError(f"expected flat vectors of {self.n_params} parameters (shape (..., {self.n_params})), "
+                             f"got shape {params.shape}")
+        lead = params.shape[:-1]
+        return [params[..., a:b].reshape(lead + s) for a, b, s in zip(self.offsets[:-1], self.offsets[1:], self.shapes)]
 
     def init_params(self, seed):
         """PyTorch-default-like init: W and b ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), seeded."""
@@ -67,13 +73,22 @@ class BaselineModel:
         x = np.asarray(x)
         return x.reshape(x.shape[0], -1).astype(np.float64, copy=False)
 
+    @staticmethod
+    def _matmul(a, b):
+        if a.ndim == 2 and b.ndim == 2:
+            # fastls.matmul: the size rule picks the BLAS threads, as for the analytic clients.
+            return fastls.matmul(a, b, check_finite=False)
+        # Stacked (the batched engine): NumPy runs one gemm per pair of 2-D slices.
+        return np.matmul(a, b)
+
     def _forward(self, params, x):
+        """Activations of every layer; ``params`` (..., P) with ``x`` (..., B, n_features) (or (B, ...) for one vector)."""
         views = self.unpack(params)
-        acts = [self._input(x)]
+        acts = [self._input(x) if np.ndim(params) == 1 else np.asarray(x, dtype=np.float64)]
         n_layers = len(views) // 2
         for l in range(n_layers):
-            # fastls.matmul: the size rule picks the BLAS threads, as for the analytic clients.
-            z = fastls.matmul(acts[-1], views[2 * l], check_finite=False) + views[2 * l + 1]
+            b = views[2 * l + 1]
+            z = self._matmul(acts[-1], views[2 * l]) + (b if b.ndim == 1 else b[..., None, :])
             if l < n_layers - 1:
                 z = np.maximum(z, 0.0)
             acts.append(z)
@@ -81,8 +96,8 @@ class BaselineModel:
 
     @staticmethod
     def _log_softmax(logits):
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        shifted = logits - logits.max(axis=-1, keepdims=True)
+        return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
     def logits(self, params, x):
         return self._forward(params, x)[-1]
@@ -103,19 +118,62 @@ class BaselineModel:
         delta = np.exp(logp)
         delta[np.arange(n), y] -= 1.0
         delta /= n
+        return loss, self._backward(params, acts, delta)
+
+    def _backward(self, params, acts, delta, out=None):
+        """Flat gradient(s) from the activations and the output error ``delta`` (dLoss/dlogits), into ``out``."""
         views = self.unpack(params)
-        grad = np.empty(self.n_params)
+        grad = np.empty(np.shape(params)) if out is None else out
         gviews = self.unpack(grad)
         for l in range(len(views) // 2 - 1, -1, -1):
-            fastls.matmul(acts[l].T, delta, out=gviews[2 * l], check_finite=False)
-            gviews[2 * l + 1][...] = delta.sum(axis=0)
+            if delta.ndim == 2:
+                fastls.matmul(acts[l].T, delta, out=gviews[2 * l], check_finite=False)
+            else:
+                np.matmul(acts[l].swapaxes(-1, -2), delta, out=gviews[2 * l])
+            np.sum(delta, axis=-2, out=gviews[2 * l + 1])
             if l > 0:
-                delta = fastls.matmul(delta, views[2 * l].T, check_finite=False) * (acts[l] > 0)
-        return loss, grad
+                delta = self._matmul(delta, views[2 * l].swapaxes(-1, -2)) * (acts[l] > 0)
+        return grad
 
     def grad(self, params, x, y):
         """Flat gradient of :meth:`loss` (exact backpropagation)."""
         return self.loss_and_grad(params, x, y)[1]
+
+    # -- stacked clients (the batched engine) --------------------------------
+    def stacked_loss(self, params, x, y):
+        """Mean cross-entropy of each of J parameter vectors of each of C clients on that client's batch.
+
+        Parameters
+        ----------
+        params : ndarray (C, J, P) float64
+        x : ndarray (C, m, n_features) float64
+            Each client's minibatch (the same number of rows m for all).
+        y : ndarray (C, m) int
+
+        Returns
+        -------
+        ndarray (C, J)
+
+        The zeroth-order estimates of both engines evaluate their losses
+        here, so that a client's losses do not depend on how many clients
+        share the stack: the estimates amplify a loss's last bit.
+        """
+        logp = self._log_softmax(self.logits(params, x[:, None]))
+        index = np.broadcast_to(y[:, None, :, None], logp.shape[:-1] + (1,))
+        return -np.take_along_axis(logp, index, axis=-1)[..., 0].mean(axis=-1)
+
+    def stacked_grad(self, params, x, y, out=None):
+        """Gradients (C, P) of each client's mean loss at params (C, P) on its batch x (C, m, n_features), y (C, m).
+
+        ``out`` (C, P) float64 receives them when given (a reused buffer
+        spares the page faults of a fresh one at every step).
+        """
+        acts = self._forward(params, x)
+        delta = np.exp(self._log_softmax(acts[-1]))
+        index = y[..., None]
+        np.put_along_axis(delta, index, np.take_along_axis(delta, index, axis=-1) - 1.0, axis=-1)
+        delta /= x.shape[1]
+        return self._backward(params, acts, delta, out)
 
     def predict(self, params, x, chunk=8192):
         """Predicted labels, evaluated in chunks of ``chunk`` samples."""

@@ -6,11 +6,36 @@ import time
 
 import numpy as np
 
+from ..checkpoint import check_fingerprint, read_state, write_state
 from ..timing import Clock, RoundLog, payload_bytes
 from ..transport import overall_accuracy
 from .hyper import BASELINES
 
-__all__ = ["PERSONALIZED", "Diverged", "run_baseline"]
+__all__ = ["PERSONALIZED", "Diverged", "load_baseline_checkpoint", "run_baseline", "save_baseline_checkpoint"]
+
+_FORMAT = "fedlayer-baseline-checkpoint-1"
+
+
+def save_baseline_checkpoint(path, *, fingerprint, params, rounds, best_accuracy):
+    """Write a baseline's state after ``len(rounds)`` rounds to ``path`` atomically.
+
+    The state is all a baseline carries from round to round: the global
+    parameters (bit for bit) and the records so far. Every random draw is
+    seeded by (seed, client, round), so a resumed run repeats the rounds an
+    uninterrupted one would have run.
+    """
+    write_state(path, {"format": _FORMAT, "fingerprint": fingerprint, "rounds": rounds,
+                       "best_accuracy": best_accuracy}, {"params": np.asarray(params, dtype=np.float64)})
+
+
+def load_baseline_checkpoint(path, fingerprint):
+    """The state :func:`save_baseline_checkpoint` wrote, refused if damaged or of another configuration.
+
+    Returns dict with "params", "rounds" (the records so far) and "best_accuracy".
+    """
+    state, arrays = read_state(path, _FORMAT)
+    check_fingerprint(path, state["fingerprint"], fingerprint)
+    return {"params": arrays["params"], "rounds": state["rounds"], "best_accuracy": state["best_accuracy"]}
 
 
 class Diverged(RuntimeError):
@@ -21,7 +46,7 @@ PERSONALIZED = ("pfedme", "pfedzo")
 
 
 def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, progress=None,
-                 init_params=None, **hyper):
+                 init_params=None, checkpoint=None, checkpoint_every=10, fingerprint=None, resume=None, **hyper):
     """Run a baseline for ``rounds`` rounds over ``transport``'s clients (all participate every round).
 
     Parameters
@@ -37,6 +62,15 @@ def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, p
     progress : callable(str) or None
     init_params : flat ndarray or None
         Initial global parameters; None asks the first client for the seeded ones.
+    checkpoint : path or None
+        Where the state is written atomically after every ``checkpoint_every``-th
+        round and the last (:func:`save_baseline_checkpoint`, with ``fingerprint``).
+    checkpoint_every : int
+    fingerprint : dict or None
+        The settings that determine the parameters, stored with the checkpoint.
+    resume : dict or None
+        A state from :func:`load_baseline_checkpoint`: training goes on after
+        its last round (nothing is trained when it already holds ``rounds``).
     **hyper
         Local hyperparameters (see :data:`BASELINES`); ``beta`` is the
         server's pFedMe/pFedZO mixing weight (default 1).
@@ -54,25 +88,36 @@ def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, p
     algorithm = str(algorithm).lower()
     if algorithm not in BASELINES:
         raise ValueError(f"unknown baseline {algorithm!r}; choose one of {sorted(BASELINES)}")
-    if int(rounds) < 1 or int(eval_every) < 1:
-        raise ValueError("rounds and eval_every must be >= 1")
+    if int(rounds) < 1 or int(eval_every) < 1 or int(checkpoint_every) < 1:
+        raise ValueError(f"rounds, eval_every and checkpoint_every must be >= 1, got {rounds}, {eval_every} "
+                         f"and {checkpoint_every}")
     hyper = dict(hyper)
     hyper.pop("rounds", None)
     beta = float(hyper.pop("beta", 1.0))
     personalized = algorithm in PERSONALIZED
     cids = transport.client_ids
-    if init_params is None:
+    records, best = [], None
+    if resume is not None:
+        init_params, records, best = resume["params"], list(resume["rounds"]), resume["best_accuracy"]
+        if len(records) > int(rounds):
+            raise ValueError(f"the checkpoint holds {len(records)} rounds of {algorithm}, more than the {rounds} "
+                             f"asked for: ask for at least {len(records)} rounds")
+    elif init_params is None:
         (_, first), = transport.call("initial_params", {cids[0]: {}})
         init_params = first["params"]
     w = np.array(init_params, dtype=np.float64)
+    saved = len(records)  # the round the checkpoint on disk holds (0: none)
 
-    records, best = [], None
-    for r in range(int(rounds)):
+    for r in range(len(records), int(rounds)):
         log = RoundLog("federated", None, clock)
         args = {cid: {"algorithm": algorithm, "params": w, "round_index": r, **hyper} for cid in cids}
         total_n = 0
         acc_sum = np.zeros_like(w)
-        for cid, result in transport.call("local_train", args):
+        # Summed in the clients' order, not as they arrive: the same weights in process and under MPI (the
+        # zeroth-order estimates would amplify a different rounding of the sum).
+        results = dict(transport.call("local_train", args))
+        for cid in cids:
+            result = results.pop(cid)
             log.arrived(cid, result["compute_s"], payload_bytes({"params": result["params"], "n": result["n"]}))
             log.sent(cid, w.nbytes)
             acc_sum += result["n"] * result["params"]
@@ -85,8 +130,9 @@ def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, p
         if not np.isfinite(w).all():
             # Scored, a NaN model predicts one class everywhere: a number that looks like a result.
             steps = {k: v for k, v in hyper.items() if k in ("lr", "personal_lr", "mu", "sigma")}
+            kept = f"; {checkpoint} holds the state after round {saved}" if saved else ""
             raise Diverged(f"{algorithm} diverged in round {r + 1}: its global parameters hold NaN or Inf "
-                           f"({steps}); lower the step sizes (--hyper)")
+                           f"({steps}); lower the step sizes (--hyper){kept}")
         accuracy = None
         if (r + 1) % int(eval_every) == 0 or r + 1 == int(rounds):
             # Personalized baselines score each client's own theta; the others the global w.
@@ -94,6 +140,10 @@ def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, p
             accuracy = overall_accuracy(transport, args)
             best = accuracy if best is None or accuracy > best else best
         records.append(log.record(accuracy))
+        if checkpoint is not None and ((r + 1) % int(checkpoint_every) == 0 or r + 1 == int(rounds)):
+            save_baseline_checkpoint(checkpoint, fingerprint=fingerprint, params=w, rounds=records,
+                                     best_accuracy=best)
+            saved = r + 1
         if progress:
             progress(f"{algorithm} round {r + 1}/{rounds}"
                      + (f", accuracy {accuracy:.4f}" if accuracy is not None else ""))

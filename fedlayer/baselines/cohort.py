@@ -1,0 +1,249 @@
+"""The batched engine: all clients of a process take each local step of a round together.
+
+A :class:`ClientCohort` holds the clients one process hosts (all of them in a
+simulation, one rank's under MPI). The first client the server asks for its
+round runs the round for every member at once; the others collect their
+results. The transports and the server loop are unchanged, so the batched
+engine runs wherever the per-client one does.
+
+How a round is batched
+----------------------
+* Parameters are stacked per client, ``W`` (C, P); each client's minibatch
+  is gathered into one array ``X`` (C, B, n_features) and every layer runs
+  as one stacked product over the client axis (NumPy's ``matmul``, one gemm
+  per client).
+* Ragged clients are grouped, never padded: clients are ordered by their
+  sample counts, and only clients whose minibatches have the same number of
+  rows share a stack. In an epoch-based algorithm (FedAvg, BAFFLE) the
+  clients still stepping are a prefix of the stack, the full batches of a
+  step one product and the shorter last batches their own. Without padding
+  a client's products and sums are those of the per-client engine, shape
+  for shape, which the zeroth-order estimates need: they amplify a loss's
+  last bit (d / (b2 mu) times a difference of two nearby losses).
+* Zeroth-order estimates evaluate all directions of all clients in one
+  stacked forward pass, ``W[:, None] + mu V`` of shape (C, b2, P).
+* Each client draws from its own generator (:meth:`BaselineClient.rng`) in
+  the per-client engine's order; different clients' draws run on threads
+  (NumPy releases the GIL while it fills an array).
+* Clients are processed in chunks that keep the stacked arrays of one step
+  within ``chunk_bytes``; clients never interact within a round, so chunking
+  changes nothing but memory traffic.
+
+There is no per-client clock: each member reports the cohort's wall time
+divided by the number of members as its ``compute_s``, and the result says
+so (``"engine": "batched"``). Per-client compute and idle times (Fig. 5)
+come from the per-client engine.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+import fastls
+
+from .client import moreau_inner_step, moreau_outer_step
+from .estimators import gaussian_perturbations, sphere_directions, stein_estimate, two_point_estimate
+
+__all__ = ["ClientCohort"]
+
+
+def _runs(values):
+    """(lo, hi) slices of the runs of equal neighbours in ``values``."""
+    runs, lo = [], 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[lo]:
+            runs.append((lo, i))
+            lo = i
+    return runs
+
+#: Stacked arrays of one local step a chunk of clients may hold (bytes); see :meth:`ClientCohort._chunks`.
+CHUNK_BYTES = 16 << 20
+
+
+class ClientCohort:
+    """The batched engine over ``clients`` (:class:`~fedlayer.baselines.BaselineClient` of one process).
+
+    Parameters
+    ----------
+    clients : sequence of BaselineClient
+        Same model on every client. Each is joined to this cohort (its
+        ``local_train`` then runs here).
+    cores : int or None
+        Cores of the cohort's products and of its draw threads (default:
+        the most any member has).
+    chunk_bytes : int
+        Memory the stacked arrays of one step may take; the clients are
+        processed in chunks that fit.
+    """
+
+    def __init__(self, clients, cores=None, chunk_bytes=CHUNK_BYTES):
+        clients = list(clients)
+        if not clients:
+            raise ValueError("a cohort needs at least one client")
+        model = clients[0].model
+        for client in clients[1:]:
+            if client.model.layer_sizes != model.layer_sizes:
+                raise ValueError(f"a cohort's clients share one model; client {client.client_id} has layers "
+                                 f"{client.model.layer_sizes}, client {clients[0].client_id} {model.layer_sizes}")
+        self.model = model
+        # Most samples first: in an epoch the clients still stepping are a prefix of the stack.
+        self.members = sorted(clients, key=lambda c: (-c.data.n_train, c.client_id))
+        self.cores = int(cores or max(c.cores for c in clients))
+        self.chunk_bytes = int(chunk_bytes)
+        self._inputs = [c.data.x_train.reshape(c.data.n_train, -1) for c in self.members]
+        self._round = None      # (algorithm, round, hyper) of the round whose results wait in _pending
+        self._params = None
+        self._pending = {}      # cid -> result dict of the round in _round
+        self._buffers = {}      # name -> flat float64 array reused across steps (_buffer)
+        for client in clients:
+            client.cohort = self
+
+    # -- what a member's local_train calls -------------------------------------
+    def local_train(self, client, algorithm, params, round_index, hyper):
+        """``client``'s result of this round, running the round for every member first if it has not run."""
+        key = (algorithm, int(round_index), tuple(sorted(hyper.items())))
+        if key != self._round or client.client_id not in self._pending or not np.array_equal(params, self._params):
+            self._run(algorithm, params, int(round_index), hyper)
+            self._round, self._params = key, np.array(params, dtype=np.float64)
+        return self._pending.pop(client.client_id)
+
+    def _run(self, algorithm, params, round_index, hyper):
+        self._pending = {}
+        w = np.array(params, dtype=np.float64)
+        step = getattr(self, f"_{algorithm}")
+        start = time.perf_counter()
+        with fastls.limit_cores(self.cores), ThreadPoolExecutor(self.cores) as pool:
+            for lo, hi in self._chunks(algorithm, hyper):
+                chunk = self.members[lo:hi]
+                rngs = [c.rng(round_index, algorithm) for c in chunk]
+                W, theta = step(lo, hi, rngs, np.repeat(w[None], hi - lo, axis=0), pool, **hyper)
+                for i, client in enumerate(chunk):
+                    client.params = W[i]
+                    if theta is not None:
+                        client.theta = theta[i]
+                    self._pending[client.client_id] = {"params": W[i], "n": client.data.n_train}
+        share = (time.perf_counter() - start) / len(self.members)
+        for result in self._pending.values():
+            result["compute_s"] = share
+            result["engine"] = "batched"
+
+    def _chunks(self, algorithm, hyper):
+        """(lo, hi) slices of the members whose per-step arrays fit ``chunk_bytes`` (at least ``cores`` clients).
+
+        With minibatches of a fixed size (FedZO, pFedMe, pFedZO) a chunk also
+        holds only clients whose batches have the same number of rows.
+        """
+        per_client = self.model.n_params * 8 * 6  # W, theta, the gradient and NumPy's temporaries
+        if algorithm in ("fedzo", "pfedzo"):
+            per_client += self.model.n_params * 8 * 2 * int(hyper.get("b2", 20))
+        elif algorithm == "baffle":
+            per_client += self.model.n_params * 8 * 2 * int(hyper.get("K", 100))
+        size = max(self.cores, self.chunk_bytes // per_client, 1)
+        batch = hyper.get("b1" if algorithm == "fedzo" else "batch_size")
+        rows = [min(int(batch), c.data.n_train) if algorithm not in ("fedavg", "baffle") else 0
+                for c in self.members]
+        chunks = []
+        for lo, hi in _runs(rows):
+            chunks += [(a, min(a + size, hi)) for a in range(lo, hi, size)]
+        return chunks
+
+    # -- stacked data and draws -------------------------------------------------
+    def _gather(self, lo, rows):
+        """Minibatches of members lo, lo+1, ... (rows: their row indices, all of one length) as one stack."""
+        x = np.stack([self._inputs[lo + i][r] for i, r in enumerate(rows)]).astype(np.float64, copy=False)
+        y = np.stack([self.members[lo + i].data.y_train[r] for i, r in enumerate(rows)])
+        return x, y
+
+    def _buffer(self, name, shape):
+        """A reused float64 array of ``shape`` (fresh arrays of this size cost a page fault per 4 kB each step)."""
+        size = int(np.prod(shape))
+        flat = self._buffers.get(name)
+        if flat is None or flat.size < size:
+            flat = self._buffers[name] = np.empty(size)
+        return flat[:size].reshape(shape)
+
+    def _draw(self, pool, rngs, draw, count, *args):
+        """Each client's ``draw(rng, count, P, *args, out=...)`` into one (C, count, P) stack, on threads."""
+        out = self._buffer("draws", (len(rngs), int(count), self.model.n_params))
+        list(pool.map(lambda i: draw(rngs[i], count, self.model.n_params, *args, out=out[i]), range(len(rngs))))
+        return out
+
+    def _sampled(self, lo, rngs, size):
+        return self._gather(lo, [self.members[lo + i].sample(rng, size) for i, rng in enumerate(rngs)])
+
+    def _losses(self, W, vectors, scale, batch):
+        """Losses at W (C, P) and at W + scale * vectors (C, J, P): (C,), (C, J)."""
+        perturbed = np.multiply(vectors, scale, out=self._buffer("perturbed", vectors.shape))
+        perturbed += W[:, None]
+        return self.model.stacked_loss(W[:, None], *batch)[:, 0], self.model.stacked_loss(perturbed, *batch)
+
+    def _grad(self, W, batch):
+        return self.model.stacked_grad(W, *batch, out=self._buffer("grad", W.shape))
+
+    def _zo_grad(self, pool, rngs, W, batch, b2, mu):
+        """Two-point estimates (C, P) of every client's gradient at W (C, P) on its batch."""
+        directions = self._draw(pool, rngs, sphere_directions, b2)
+        f0, f = self._losses(W, directions, mu, batch)
+        return two_point_estimate(f0, f, directions, mu, out=self._buffer("grad", W.shape),
+                                  work=self._buffer("work", W.shape))
+
+    # -- the five local updates, each over members lo..hi ---------------------------
+    def _epochs(self, lo, rngs, W, batch_size, local_epochs, grad):
+        """Epoch passes of minibatch steps ``W -= lr * grad(...)``; the clients still stepping are a prefix."""
+        b = int(batch_size)
+        for _ in range(int(local_epochs)):
+            orders = [rng.permutation(self.members[lo + i].data.n_train) for i, rng in enumerate(rngs)]
+            for s in range(0, len(orders[0]), b):
+                rows = [order[s:s + b] for order in orders if len(order) > s]
+                for a, z in _runs([len(r) for r in rows]):  # the full batches, then each length of last batch
+                    W[a:z] -= grad(rngs[a:z], W[a:z], self._gather(lo + a, rows[a:z]))
+        return W
+
+    def _fedavg(self, lo, hi, rngs, W, pool, *, lr, batch_size, local_epochs=1):
+        def step(rngs, W, batch):
+            g = self._grad(W, batch)
+            g *= lr
+            return g
+
+        return self._epochs(lo, rngs, W, batch_size, local_epochs, step), None
+
+    def _baffle(self, lo, hi, rngs, W, pool, *, lr, batch_size, K=100, sigma=1e-4, clip=0.3, local_epochs=1):
+        def step(rngs, W, batch):
+            deltas = self._draw(pool, rngs, gaussian_perturbations, K, sigma)
+            f0, f = self._losses(W, deltas, 1.0, batch)
+            g = stein_estimate(f0, f, deltas, sigma, clip, out=self._buffer("grad", W.shape),
+                               work=self._buffer("work", W.shape))
+            g *= lr
+            return g
+
+        return self._epochs(lo, rngs, W, batch_size, local_epochs, step), None
+
+    def _fedzo(self, lo, hi, rngs, W, pool, *, lr, local_iters, b1, b2=20, mu=1e-3):
+        for _ in range(int(local_iters)):
+            g = self._zo_grad(pool, rngs, W, self._sampled(lo, rngs, b1), b2, mu)
+            g *= lr
+            W -= g
+        return W, None
+
+    def _moreau(self, lo, rngs, W, inner_grad, *, lr, personal_lr, lamda, K, batch_size, local_epochs):
+        theta = W.copy()
+        work = self._buffer("moreau", W.shape)
+        for _ in range(int(local_epochs)):
+            batch = self._sampled(lo, rngs, batch_size)
+            for _ in range(int(K)):
+                moreau_inner_step(theta, W, inner_grad(theta, batch), personal_lr, lamda, work)
+            moreau_outer_step(W, theta, lr, lamda, work)
+        return W, theta
+
+    def _pfedme(self, lo, hi, rngs, W, pool, *, lr, personal_lr, lamda, K=5, batch_size=20, local_epochs=20):
+        return self._moreau(lo, rngs, W, self._grad, lr=lr, personal_lr=personal_lr, lamda=lamda, K=K,
+                            batch_size=batch_size, local_epochs=local_epochs)
+
+    def _pfedzo(self, lo, hi, rngs, W, pool, *, lr, personal_lr, lamda, K=5, batch_size=20, local_epochs=20,
+                b2=20, mu=1e-3):
+        return self._moreau(lo, rngs, W, lambda theta, batch: self._zo_grad(pool, rngs, theta, batch, b2, mu),
+                            lr=lr, personal_lr=personal_lr, lamda=lamda, K=K, batch_size=batch_size,
+                            local_epochs=local_epochs)

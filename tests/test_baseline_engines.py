@@ -1,0 +1,174 @@
+"""The batched engine against the per-client one, checkpoints of long baseline runs, and MPI."""
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from fedlayer.baselines import BASELINES, BaselineClient, baseline_hyper, run_baseline
+from fedlayer.baselines.cohort import ClientCohort
+from fedlayer.baselines.server import Diverged, load_baseline_checkpoint
+from fedlayer.data import ClientData
+from fedlayer.timing import Clock
+from fedlayer.transport import InProcessTransport
+
+N_FEATURES, N_CLASSES = 9, 4
+#: Training rows per client: some below every batch size, one exactly two of FedAvg's batches, the rest ragged.
+SIZES = (3, 7, 16, 20, 25, 40, 41, 64)
+
+
+def ragged_clients(seed, sizes=SIZES):
+    rng = np.random.default_rng(seed)
+    clients = []
+    for n in sizes:
+        x = rng.standard_normal((n + 5, 3, 3))  # a feature shape: the models flatten it
+        y = rng.integers(0, N_CLASSES, n + 5)
+        clients.append(ClientData(x[:n], y[:n], x[n:], y[n:]))
+    return clients
+
+
+def small_hyper(algorithm, model):
+    """The MNIST defaults, with batches that leave some clients a short last batch and fewer draws."""
+    hyper = baseline_hyper(algorithm, "mnist", model)
+    hyper.pop("rounds")
+    for key, value in {"batch_size": 8, "K": 7 if algorithm == "baffle" else 3, "local_epochs": 3, "b1": 8,
+                       "local_iters": 4, "b2": 5}.items():
+        if key in hyper:
+            hyper[key] = value
+    return hyper
+
+
+def train(data, algorithm, model, engine, rounds=3, chunk_bytes=None, cores=1, **kwargs):
+    clients = [BaselineClient(i, d, model, N_CLASSES, 11, cores) for i, d in enumerate(data)]
+    if engine == "batched":
+        ClientCohort(clients, **({} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}))
+    out = run_baseline(InProcessTransport(clients), algorithm, rounds, clock=Clock(),
+                       **{**small_hyper(algorithm, model), **kwargs})
+    return out, clients
+
+
+def rel(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize("model", ["lr", "dnn"])
+@pytest.mark.parametrize("algorithm", sorted(BASELINES))
+def test_batched_engine_gives_the_per_client_parameters(algorithm, model):
+    data = ragged_clients(1)
+    reference, ref_clients = train(data, algorithm, model, "per-client")
+    batched, clients = train(data, algorithm, model, "batched")
+    assert rel(batched["params"], reference["params"]) <= 1e-10
+    assert batched["accuracy"] == pytest.approx(reference["accuracy"], abs=1e-12)
+    for mine, theirs in zip(clients, ref_clients):
+        assert rel(mine.params, theirs.params) <= 1e-10
+        if algorithm in ("pfedme", "pfedzo"):
+            assert rel(mine.theta, theirs.theta) <= 1e-10
+
+
+@settings(max_examples=8, deadline=None)
+@given(sizes=st.lists(st.integers(1, 30), min_size=1, max_size=6), chunk_clients=st.integers(1, 7),
+       algorithm=st.sampled_from(sorted(BASELINES)))
+def test_any_partition_and_chunking_gives_the_per_client_parameters(sizes, chunk_clients, algorithm):
+    data = ragged_clients(len(sizes), sizes)
+    model = BaselineClient(0, data[0], "dnn", N_CLASSES, 0).model
+    reference, _ = train(data, algorithm, "dnn", "per-client", rounds=2)
+    # chunk_bytes as a number of clients of this model: every chunking of the stack, down to one client
+    batched, _ = train(data, algorithm, "dnn", "batched", rounds=2, cores=1,
+                       chunk_bytes=chunk_clients * model.n_params * 8 * 6)
+    assert rel(batched["params"], reference["params"]) <= 1e-10
+
+
+def test_a_cohort_refuses_clients_of_different_models():
+    data = ragged_clients(2, (10, 12))
+    clients = [BaselineClient(0, data[0], "lr", N_CLASSES, 0), BaselineClient(1, data[1], "dnn", N_CLASSES, 0)]
+    with pytest.raises(ValueError, match="share one model"):
+        ClientCohort(clients)
+
+
+def test_batched_results_say_they_are_not_timed_per_client():
+    data = ragged_clients(3, (10, 30))
+    out, _ = train(data, "fedavg", "lr", "batched", rounds=1)
+    times = [c["compute_s"] for c in out["rounds"][0]["clients"].values()]
+    assert times[0] == times[1] > 0  # the cohort's wall time, shared evenly
+
+
+# --------------------------------------------------------------------------- #
+# Checkpoints
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("algorithm", ["pfedzo", "fedavg"])
+def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, algorithm):
+    data = ragged_clients(4)
+    straight, _ = train(data, algorithm, "dnn", "batched", rounds=5)
+    path = tmp_path / "checkpoint.npz"
+    fingerprint = {"algorithm": algorithm}
+    train(data, algorithm, "dnn", "batched", rounds=3, checkpoint=path, checkpoint_every=2, fingerprint=fingerprint)
+    state = load_baseline_checkpoint(path, fingerprint)
+    assert len(state["rounds"]) == 3  # every 2 rounds and after the last
+    resumed, _ = train(data, algorithm, "dnn", "batched", rounds=5, checkpoint=path, checkpoint_every=2,
+                       fingerprint=fingerprint, resume=state)
+    assert np.array_equal(resumed["params"], straight["params"])
+    assert [r["accuracy"] for r in resumed["rounds"]] == [r["accuracy"] for r in straight["rounds"]]
+    assert resumed["best_accuracy"] == straight["best_accuracy"]
+    with pytest.raises(ValueError, match="holds 5 rounds of .* more than the 4 asked for"):
+        train(data, algorithm, "dnn", "batched", rounds=4, resume=load_baseline_checkpoint(path, fingerprint))
+
+
+def test_a_checkpoint_of_other_hyperparameters_is_refused_naming_both(tmp_path):
+    path = tmp_path / "c.npz"
+    train(ragged_clients(5), "fedavg", "lr", "batched", rounds=1, checkpoint=path,
+          fingerprint={"hyperparameter lr": 0.02})
+    with pytest.raises(ValueError, match=r"'hyperparameter lr': \(0.02, 0.5\)"):
+        load_baseline_checkpoint(path, {"hyperparameter lr": 0.5})
+
+
+class _BlowsUpInRound3(BaselineClient):
+    def local_train(self, algorithm, params, round_index, **hyper):
+        result = super().local_train(algorithm, params, round_index, **hyper)
+        if round_index == 2:
+            result["params"] = np.full_like(result["params"], np.inf)
+        return result
+
+
+def test_divergence_names_the_round_the_step_size_and_what_was_kept(tmp_path):
+    path = tmp_path / "c.npz"
+    fingerprint = {"algorithm": "fedavg"}
+    clients = [_BlowsUpInRound3(i, d, "lr", N_CLASSES, 0) for i, d in enumerate(ragged_clients(6))]
+    with pytest.raises(Diverged, match=r"fedavg diverged in round 3: .*\{'lr': 0.02\}.*"
+                                       r"c.npz holds the state after round 2"):
+        run_baseline(InProcessTransport(clients), "fedavg", 10, lr=0.02, batch_size=8, checkpoint=path,
+                     checkpoint_every=2, fingerprint=fingerprint)
+    state = load_baseline_checkpoint(path, fingerprint)  # still readable, and finite
+    assert len(state["rounds"]) == 2 and np.isfinite(state["params"]).all()
+    # A step size that overflows in the first round: no checkpoint yet, and the message says no more.
+    with pytest.raises(Diverged, match=r"diverged in round 1: .*'lr': 1000000.0\}\); lower the step sizes \(--hyper\)$"):
+        train(ragged_clients(6), "fedavg", "dnn", "batched", rounds=5, lr=1e6)
+
+
+# --------------------------------------------------------------------------- #
+# Under mpiexec
+# --------------------------------------------------------------------------- #
+
+MPIEXEC = shutil.which("mpiexec") or shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+
+
+@pytest.mark.skipif(MPIEXEC is None or importlib.util.find_spec("mpi4py") is None,
+                    reason="mpiexec or mpi4py is not installed")
+def test_batched_engine_under_mpi_gives_the_in_process_per_client_parameters(tmp_path):
+    args = ["--algorithm", "pfedzo", "--model", "lr", "--clients", "9", "--rounds", "2", "--quiet",
+            "--hyper", "local_epochs=3,b2=4"]
+    reference = tmp_path / "inproc"
+    proc = subprocess.run([sys.executable, "-m", "fedlayer", "run", *args, "--engine", "per-client",
+                           "--output", str(reference)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    distributed = tmp_path / "mpi"
+    proc = subprocess.run([MPIEXEC, "-n", "3", sys.executable, "-m", "fedlayer", "run", *args,
+                           "--output", str(distributed)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert np.array_equal(np.load(distributed / "params.npy"), np.load(reference / "params.npy"))
