@@ -59,6 +59,10 @@ def __getattr__(name):
     raise AttributeError(f"module 'fastls' has no attribute {name!r}")
 
 
+def __dir__():
+    return sorted(set(globals()) | set(_ESTIMATORS))
+
+
 __all__ = [
     "gram_update",
     "cross_update",

@@ -382,6 +382,14 @@ def test_invalid_alpha_values_are_named(rng, alpha, alphas, message):
 # The report and the worked example, at CI size
 # ---------------------------------------------------------------------------------------------------------
 
+def test_import_fastls_leaves_scikit_learn_for_the_estimators():
+    """The kernels' callers do not pay for scikit-learn's import; the estimators load it on first use."""
+    code = ("import sys, fastls; assert 'sklearn' not in sys.modules; fastls.StreamingRidge; "
+            "assert 'sklearn' in sys.modules; assert 'StreamingRidgeClassifier' in dir(fastls)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 def test_estimators_report_runs_at_ci_size():
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "estimators_report.py"), "--rows", "20000",
                            "--features", "129", "--batches", "10"], capture_output=True, text=True, timeout=300)
