@@ -263,6 +263,17 @@ def test_merge_equals_fit_on_the_concatenation(rng, kind):
     assert models[0].n_samples_seen_ == 30
 
 
+def test_cholesky_failure_falls_back_with_a_warning(rng):
+    """alpha below the rounding of a singular G: fit says it solved through eigh (as Ridge warns for lstsq)."""
+    X = rng.standard_normal((50, 4)) * 1e6
+    X = np.column_stack([X, X[:, 0]])  # a repeated column: G is singular
+    y = rng.standard_normal(50)
+    with pytest.warns(RuntimeWarning, match="solving through eigh"):
+        model = fastls.StreamingRidge(alpha=1e-9, fit_intercept=False).fit(X, y)
+    assert np.isfinite(model.coef_).all()
+    assert model.coef_[0] == pytest.approx(model.coef_[-1])  # the pseudo-inverse splits the twin columns evenly
+
+
 def test_state_does_not_grow_with_rows(rng):
     """O(d^2 + d t) memory: the fitted statistics of 100 and of 20,000 rows take the same bytes."""
     def state_bytes(n):
