@@ -384,9 +384,10 @@ def choose_contributors(alive, graph, history, min_size):
     the contributors' neighbour graph has at least ``min_size`` clients, and
     the contributors (and each component) are equal to, or differ by at
     least ``min_size`` clients from, every set of the group's earlier
-    unmasked sums (``history``). The others are excluded as if they had
-    dropped before masking: they mask nothing, so nothing of theirs is
-    revealed. Largest admissible set wins: the greedy removal below (the
+    unmasked sums (``history``), and no linear combination of all of them
+    isolates one or two clients (:func:`combination_leak`). The others are
+    excluded as if they had dropped before masking: they mask nothing, so
+    nothing of theirs is revealed. Largest admissible set wins: the greedy removal below (the
     client whose removal leaves the fewest broken rules, ties by id) or an
     earlier contributor set still alive (preferred at equal size: it tells
     the server nothing new).

@@ -944,3 +944,45 @@ def test_sums_pairwise_apart_that_combine_to_one_client_are_not_all_unmasked():
     graph = neighbour_graph(range(9), seed=0)  # complete
     chosen = choose_contributors(sets[3], graph, [frozenset(s) for s in sets[:3]], 3)
     assert chosen is None or combination_leak([*sets[:3], chosen], 3) is None
+
+
+def test_a_failure_after_the_contributors_were_chosen_is_masked_again_over_an_admissible_set(rng):
+    """Layer 2 first sums all nine, as layer 1 did; client 4 then fails in its upload. Unmasking the other eight
+    would show client 4's counts against layer 1: nothing is revealed, and the survivors mask again (fresh self
+    masks, a new context) without two more of them, which layer 2 then sums."""
+    seed = int(rng.integers(2**31))
+    clients = _failing_clients(seed, 9, {4: {("secure_upload", 1)}})
+    result = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], batch_size=7,
+                          secure=SecureServer(seed=5))
+    second = result["rounds"][1]
+    (contributors,) = second["contributors"]["0"]
+    assert len(contributors) == 6 and 4 not in contributors
+    assert second["dropped"]["4"].startswith("secure_upload: RuntimeError")
+    excluded = sorted(int(c) for c, why in second["dropped"].items() if why == EXCLUDED.format(m=3))
+    assert len(excluded) == 2 and sorted([4, *excluded, *contributors]) == list(range(9))
+    assert [r["contributors"] for r in result["rounds"][::2]] == [{"0": [list(range(9))]}] * 2
+    # Masked twice, revealed once: the second masking's context.
+    assert sum(call == ("secure_upload", 1) for call in clients[0].calls) == (2 if 0 in contributors else 1)
+    fail = {c: {("local_stats", 1)} for c in [4, *excluded]}
+    plain = run_protocol(InProcessTransport(_failing_clients(seed, 9, fail)), 3, VARIANTS["fedacnnl"], batch_size=7)
+    _assert_same_weights(plain, result)
+
+
+def test_a_client_refuses_to_reveal_for_a_sum_too_close_to_one_it_revealed_for(rng):
+    cids = list(range(6))
+    states, server = _setup(cids)
+    for state in states.values():
+        state.min_survivors = 3
+    code = FixedPoint(36, 6)
+    data = {c: rng.standard_normal(3) for c in cids}
+    _masked_sum(states, server, (0, 0), data, cids, [], code)
+    states[0].reveal((0, 0), set(), set(cids))
+    _masked_sum(states, server, (1, 0), data, cids[:5], [5], code)
+    with pytest.raises(SecureAggregationError, match=r"client 0: the survivors of sum \(1, 0\) differ by 1 client\(s\) "
+                                                     r"\(\[5\]\) from those of an earlier sum of the group"):
+        states[0].reveal((1, 0), {5}, set(cids[:5]))
+    # Another group's sums, and sums at least three apart, are no concern.
+    _masked_sum(states, server, (1, 1), data, cids[:5], [5], code)
+    assert states[0].reveal((1, 1), {5}, set(cids[:5]))
+    _masked_sum(states, server, (2, 0), data, cids[:3], [3, 4, 5], code)
+    assert states[0].reveal((2, 0), {3, 4, 5}, set(cids[:3]))
