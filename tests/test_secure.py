@@ -122,8 +122,8 @@ def test_neighbour_graph_is_symmetric_with_logarithmic_degree(n):
     assert threshold(len(graph[0])) == len(graph[0]) // 2 + 1
 
 
-def _setup(cids, seed=0):
-    states = {c: SecureClientState(c) for c in cids}
+def _setup(cids, seed=0, min_survivors=1):
+    states = {c: SecureClientState(c, min_survivors) for c in cids}
     server = SecureServer(seed)
     server.plan({0: list(cids)})
     server.public = {c: states[c].public_key() for c in cids}
@@ -326,9 +326,7 @@ def test_too_many_dropouts_name_the_threshold(rng):
 
 def test_a_sum_of_too_few_survivors_is_neither_revealed_nor_unmasked(rng):
     cids = list(range(6))
-    states, server = _setup(cids)
-    for state in states.values():
-        state.min_survivors = 3
+    states, server = _setup(cids, min_survivors=3)
     code = FixedPoint(36, 6)
     data = {c: rng.standard_normal(3) for c in cids}
     survivors, dropped = [0, 1], [2, 3, 4, 5]
@@ -970,9 +968,7 @@ def test_a_failure_after_the_contributors_were_chosen_is_masked_again_over_an_ad
 
 def test_a_client_refuses_to_reveal_for_a_sum_too_close_to_one_it_revealed_for(rng):
     cids = list(range(6))
-    states, server = _setup(cids)
-    for state in states.values():
-        state.min_survivors = 3
+    states, server = _setup(cids, min_survivors=3)
     code = FixedPoint(36, 6)
     data = {c: rng.standard_normal(3) for c in cids}
     _masked_sum(states, server, (0, 0), data, cids, [], code)
