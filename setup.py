@@ -15,7 +15,8 @@ extensions = [
         # ReLU) into vector blends; values are unchanged, only the FP exception
         # flags nobody reads are not preserved.
         extra_compile_args=["-O3", "-fno-trapping-math"],
-    )
+    ),
+    Extension("fastls._random", ["fastls/_random.pyx"], extra_compile_args=["-O3"]),
 ]
 
 setup(ext_modules=cythonize(extensions, compiler_directives={"language_level": "3"}))

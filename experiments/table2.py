@@ -16,6 +16,14 @@ Long runs can be split: ``--settings`` and ``--algorithms`` select cells,
 ``--json`` keeps a run's accuracies, curves and command, ``--merge`` reads
 such files back (their cells are not run again), and the markdown names
 every run that contributed.
+
+The baselines run on the batched engine (``--engine batched``, the same
+parameters as the per-client engine) and write a checkpoint every 10 rounds
+under ``--checkpoints``: an interrupted cell goes on from its last
+checkpoint when the same command runs again, and its checkpoint is removed
+once the cell is in the JSON. They are evaluated every ``--eval-every``
+rounds (every ``budget // 50`` of shorter budgets) and after the last;
+"best accuracy" is the best of those evaluations.
 """
 
 from __future__ import annotations
@@ -113,8 +121,12 @@ def run_cells(args, budget, cells, on_cell=None):
         for setting, algorithm in todo:
             model = setting.split("-")[1]
             rounds = budget[(setting, algorithm)] if algorithm in BASELINES else None
+            checkpoint = (os.path.join(args.checkpoints, f"{cell_key(setting, algorithm)}-seed{seed}.npz")
+                          if algorithm in BASELINES else None)
             config = RunConfig(algorithm=algorithm, dataset=setting.split("-")[0], model=model, seed=seed,
-                               rounds=rounds, eval_every=max(1, (rounds or 1) // 50), cores=args.cores)
+                               rounds=rounds, eval_every=min(args.eval_every, max(1, (rounds or 1) // 50)),
+                               cores=args.cores, checkpoint=checkpoint, resume=checkpoint is not None,
+                               checkpoint_every=10)
             cell = cells.setdefault(cell_key(setting, algorithm), {"accuracy": [], "curves": [], "minutes": []})
             if cell.get("rounds", rounds) != rounds:  # checked before spending the run
                 raise SystemExit(f"{cell_key(setting, algorithm)}: merged seeds ran {cell['rounds']} rounds, "
@@ -122,7 +134,9 @@ def run_cells(args, budget, cells, on_cell=None):
             start = time.perf_counter()
             results = run(config, dataset=dataset)
             cell["accuracy"].append(100 * results.get("best_accuracy", results["accuracy"]))
-            cell["minutes"].append((time.perf_counter() - start) / 60)
+            # A resumed cell's minutes are this run's share only: scale them to the whole budget.
+            done_here = rounds - (results.get("resumed_from_round") or 0) if rounds else 1
+            cell["minutes"].append((time.perf_counter() - start) / 60 * (rounds or 1) / max(done_here, 1))
             if algorithm in BASELINES:
                 cell["rounds"] = rounds
                 cell["curves"].append([[int(r), 100 * rec["accuracy"]] for r, rec in results["rounds"].items()
@@ -131,6 +145,8 @@ def run_cells(args, budget, cells, on_cell=None):
                   f"({cell['minutes'][-1]:.1f} min)", flush=True)
             if on_cell:
                 on_cell()
+            if checkpoint is not None and os.path.exists(checkpoint):
+                os.remove(checkpoint)  # the cell is in the JSON now
         del dataset
 
 
@@ -253,6 +269,10 @@ def main(argv=None):
                         help="per-client cores (default: the protocol's random 1..available); accuracy does "
                              "not depend on it, so parallel jobs may pin 1")
     parser.add_argument("--merge", nargs="+", default=[], help="--json files of earlier runs; their cells are kept")
+    parser.add_argument("--checkpoints", default="experiments/checkpoints",
+                        help="folder of the baselines' checkpoints (every 10 rounds), to resume interrupted cells")
+    parser.add_argument("--eval-every", type=int, default=10,
+                        help="baselines: evaluate at most every N rounds (every round of budgets under 100) and the last")
     args = parser.parse_args(argv)
     use_shared_data()  # the checkout's ../shared/data unless FEDLAYER_DATA_DIR says otherwise
     args.algorithms = list(dict.fromkeys(args.algorithms + args.baselines))

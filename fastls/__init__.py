@@ -29,6 +29,7 @@ from ._core import (
     symmetrize,
 )
 from ._conv import WINOGRAD_MIN_CHANNELS, conv2d, conv2d_method, winograd_filters
+from ._draws import normal_rows
 from ._select import DEFAULT_GRID, RidgePath
 from ._workspace import recycled_array, recycled_nbytes
 from ._workspace import release as release_recycled
@@ -93,6 +94,7 @@ __all__ = [
     "recycled_nbytes",
     "DEFAULT_GRID",
     "matmul",
+    "normal_rows",
     "limit_cores",
     "available_cores",
     "blas_info",

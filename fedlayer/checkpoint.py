@@ -66,11 +66,11 @@ def save_checkpoint(path, *, fingerprint, layers_done, group_of, group_weights, 
     write_state(path, state, arrays)
 
 
-def write_state(path, state, arrays):
+def write_state(path, state, arrays, compress=False):
     """Write a JSON-able ``state`` and named ``arrays`` to ``path`` atomically (temporary file, fsync, rename).
 
     The arrays are stored bit for bit with a SHA-256 digest of everything,
-    which :func:`read_state` checks.
+    which :func:`read_state` checks; ``compress`` deflates the archive.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,7 +78,8 @@ def write_state(path, state, arrays):
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, state=np.array(state_json), digest=np.array(_digest(state_json, arrays)), **arrays)
+            (np.savez_compressed if compress else np.savez)(
+                f, state=np.array(state_json), digest=np.array(_digest(state_json, arrays)), **arrays)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -26,13 +26,16 @@ so the same code can run in process or under MPI. The server loop is
 records, as for the analytic methods (stage ``"federated"``, layer ``None``).
 
 The package is split by job: :mod:`.models` (the networks and their
-backpropagation), :mod:`.estimators` (zeroth-order gradient estimates),
-:mod:`.hyper` (default hyperparameters and their sources), :mod:`.client`
-(local training) and :mod:`.server` (the round loop).
+backpropagation), :mod:`.estimators` (zeroth-order gradient estimates and
+their random directions), :mod:`.hyper` (default hyperparameters and their
+sources), :mod:`.client` (local training, one client at a time: the
+per-client engine), :mod:`.cohort` (the batched engine: all clients of a
+process step together, with the per-client engine's numbers) and
+:mod:`.server` (the round loop and its checkpoints).
 """
 
 from .client import BaselineClient
-from .estimators import stein_gradient, zo_sphere_gradient
+from .estimators import DirectionStream, stein_gradient, zo_sphere_gradient
 from .hyper import BASELINES, baseline_hyper
 from .models import BaselineModel, make_baseline_model
 from .server import PERSONALIZED, run_baseline
@@ -42,6 +45,7 @@ __all__ = [
     "PERSONALIZED",
     "BaselineClient",
     "BaselineModel",
+    "DirectionStream",
     "baseline_hyper",
     "make_baseline_model",
     "run_baseline",

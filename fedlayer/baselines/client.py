@@ -3,7 +3,8 @@
 This is the per-client engine: each client trains alone, one minibatch and
 one direction at a time, under its own clock (the compute times of Fig. 5).
 :class:`fedlayer.baselines.cohort.ClientCohort` is the batched engine; both
-draw from :meth:`BaselineClient.rng` in the same order and step with the
+draw minibatches from :meth:`BaselineClient.rng` and directions from
+:meth:`BaselineClient.directions` in the same order, and step with the
 functions below.
 """
 
@@ -16,7 +17,7 @@ import numpy as np
 import fastls
 
 from ..data import ClientData
-from .estimators import stein_gradient, zo_sphere_gradient
+from .estimators import DirectionStream, directional_estimate
 from .hyper import BASELINES
 from .models import make_baseline_model
 
@@ -75,8 +76,12 @@ class BaselineClient:
 
     # -- helpers --------------------------------------------------------------
     def rng(self, round_index, algorithm):
-        """This client's generator for one round of ``algorithm`` (both engines draw from it in one order)."""
+        """This client's generator of minibatches for one round of ``algorithm`` (both engines draw alike)."""
         return np.random.default_rng([self.seed, self.client_id, int(round_index), _RNG_TAGS[algorithm]])
+
+    def directions(self, round_index, algorithm):
+        """This client's stream of random directions for one round of ``algorithm``."""
+        return DirectionStream([self.seed, self.client_id, int(round_index), _RNG_TAGS[algorithm], _DIRECTIONS])
 
     def _batch(self, idx):
         return self.data.x_train[idx], self.data.y_train[idx]
@@ -86,10 +91,12 @@ class BaselineClient:
         n = self.data.n_train
         return rng.choice(n, size=min(int(size), n), replace=False)
 
-    def _f(self, x, y):
-        """The losses (J,) of a stack of parameter vectors (J, P) on the batch (x, y)."""
+    def _estimate(self, w, x, y, stream, count, step, sphere):
+        """The zeroth-order estimate at w on the batch (x, y): the batched engine's arithmetic for one client."""
         x = x.reshape(len(x), -1).astype(np.float64, copy=False)[None]
-        return lambda params: self.model.stacked_loss(params[None], x, y[None])[0]
+        f0, losses = self.model.directional_losses(w[None], x, np.asarray(y)[None])
+        buffer = np.empty((1, min(int(count), DIRECTION_BLOCK), w.size))
+        return directional_estimate(f0, losses, [stream], count, step, sphere=sphere, buffer=buffer)[0]
 
     # -- methods the server calls ---------------------------------------------
     def initial_params(self):
@@ -136,43 +143,47 @@ class BaselineClient:
         return w
 
     def _fedzo(self, w, round_index, *, lr, local_iters, b1, b2=20, mu=1e-3):
-        rng = self.rng(round_index, "fedzo")
+        rng, stream = self.rng(round_index, "fedzo"), self.directions(round_index, "fedzo")
         for _ in range(int(local_iters)):
             x, y = self._batch(self.sample(rng, b1))
-            w -= lr * zo_sphere_gradient(self._f(x, y), w, b2, mu, rng)
+            w -= lr * self._estimate(w, x, y, stream, b2, mu, sphere=True)
         return w
 
     def _baffle(self, w, round_index, *, lr, batch_size, K=100, sigma=1e-4, clip=0.3, local_epochs=1):
-        rng = self.rng(round_index, "baffle")
+        rng, stream = self.rng(round_index, "baffle"), self.directions(round_index, "baffle")
         for _ in range(int(local_epochs)):
             order = rng.permutation(self.data.n_train)
             for s in range(0, len(order), int(batch_size)):
                 x, y = self._batch(order[s:s + int(batch_size)])
-                w -= lr * stein_gradient(self._f(x, y), w, K, sigma, rng, clip=clip)
+                g = self._estimate(w, x, y, stream, K, sigma, sphere=False)
+                if clip is not None:
+                    np.clip(g, -clip, clip, out=g)
+                w -= lr * g
         return w
 
     def _moreau(self, w, round_index, inner_grad, *, lr, personal_lr, lamda, K, batch_size, local_epochs):
-        """pFedMe's local rounds; ``inner_grad(theta, x, y, rng)`` is the gradient (or its estimate) of f."""
+        """pFedMe's local rounds; ``inner_grad(theta, x, y, stream)`` is the gradient (or its estimate) of f."""
         rng = self.rng(round_index, "pfedme")
+        stream = self.directions(round_index, "pfedme")
         theta = w.copy()
         for _ in range(int(local_epochs)):
             x, y = self._batch(self.sample(rng, batch_size))
             # theta ~ argmin f(theta; batch) + lamda/2 ||theta - w||^2, by K gradient steps (warm start).
             for _ in range(int(K)):
-                moreau_inner_step(theta, w, inner_grad(theta, x, y, rng), personal_lr, lamda)
+                moreau_inner_step(theta, w, inner_grad(theta, x, y, stream), personal_lr, lamda)
             moreau_outer_step(w, theta, lr, lamda)
         self.theta = theta
         return w
 
     def _pfedme(self, w, round_index, *, lr, personal_lr, lamda, K=5, batch_size=20, local_epochs=20):
-        return self._moreau(w, round_index, lambda p, x, y, rng: self.model.grad(p, x, y), lr=lr,
+        return self._moreau(w, round_index, lambda p, x, y, stream: self.model.grad(p, x, y), lr=lr,
                             personal_lr=personal_lr, lamda=lamda, K=K, batch_size=batch_size,
                             local_epochs=local_epochs)
 
     def _pfedzo(self, w, round_index, *, lr, personal_lr, lamda, K=5, batch_size=20, local_epochs=20,
                 b2=20, mu=1e-3):
-        def inner(p, x, y, rng):
-            return zo_sphere_gradient(self._f(x, y), p, b2, mu, rng)
+        def inner(p, x, y, stream):
+            return self._estimate(p, x, y, stream, b2, mu, sphere=True)
 
         return self._moreau(w, round_index, inner, lr=lr, personal_lr=personal_lr, lamda=lamda, K=K,
                             batch_size=batch_size, local_epochs=local_epochs)
@@ -181,3 +192,7 @@ class BaselineClient:
 #: The last word of each client generator's seed: the tags the per-client engine always used
 #: (pFedZO shares pFedMe's, as it shares its local rounds).
 _RNG_TAGS = {"fedavg": 1, "fedzo": 2, "baffle": 3, "pfedme": 4, "pfedzo": 4}
+#: One more word that keys the direction streams apart from the minibatch generators.
+_DIRECTIONS = 0xD1
+#: Directions drawn and evaluated at a time by the per-client engine (any number gives the same estimate).
+DIRECTION_BLOCK = 4

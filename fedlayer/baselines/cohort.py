@@ -23,11 +23,15 @@ How a round is batched
 * Zeroth-order estimates evaluate all directions of all clients in one
   stacked forward pass, ``W[:, None] + mu V`` of shape (C, b2, P).
 * Each client draws from its own generator (:meth:`BaselineClient.rng`) in
-  the per-client engine's order; different clients' draws run on threads
-  (NumPy releases the GIL while it fills an array).
+  the per-client engine's order.
 * Clients are processed in chunks that keep the stacked arrays of one step
-  within ``chunk_bytes``; clients never interact within a round, so chunking
-  changes nothing but memory traffic.
+  within ``chunk_bytes``, on ``cores`` threads, one chunk per thread at a
+  time, each BLAS call on one thread (NumPy releases the GIL in its
+  products, draws and array arithmetic). Clients never interact within a
+  round, so chunking changes nothing but memory traffic; and many small
+  products split over BLAS threads stall whenever another process holds a
+  core (measured: 20x slower with one core busy), which one chunk per
+  thread does not.
 
 There is no per-client clock: each member reports the cohort's wall time
 divided by the number of members as its ``compute_s``, and the result says
@@ -37,6 +41,7 @@ come from the per-client engine.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -45,7 +50,7 @@ import numpy as np
 import fastls
 
 from .client import moreau_inner_step, moreau_outer_step
-from .estimators import gaussian_perturbations, sphere_directions, stein_estimate, two_point_estimate
+from .estimators import directional_estimate
 
 __all__ = ["ClientCohort"]
 
@@ -61,6 +66,8 @@ def _runs(values):
 
 #: Stacked arrays of one local step a chunk of clients may hold (bytes); see :meth:`ClientCohort._chunks`.
 CHUNK_BYTES = 16 << 20
+#: Directions of a chunk drawn and evaluated at a time (bytes): a block is read back from cache.
+BLOCK_BYTES = 4 << 20
 
 
 class ClientCohort:
@@ -97,7 +104,7 @@ class ClientCohort:
         self._round = None      # (algorithm, round, hyper) of the round whose results wait in _pending
         self._params = None
         self._pending = {}      # cid -> result dict of the round in _round
-        self._buffers = {}      # name -> flat float64 array reused across steps (_buffer)
+        self._local = threading.local()  # per thread: name -> flat float64 array reused across steps (_buffer)
         for client in clients:
             client.cohort = self
 
@@ -114,13 +121,18 @@ class ClientCohort:
         self._pending = {}
         w = np.array(params, dtype=np.float64)
         step = getattr(self, f"_{algorithm}")
+
+        def train(bounds):
+            lo, hi = bounds
+            rngs = [c.rng(round_index, algorithm) for c in self.members[lo:hi]]
+            streams = [c.directions(round_index, algorithm) for c in self.members[lo:hi]]
+            with np.errstate(over="ignore", invalid="ignore"):  # per thread; as in BaselineClient.local_train
+                return bounds, step(lo, rngs, streams, np.repeat(w[None], hi - lo, axis=0), **hyper)
+
         start = time.perf_counter()
-        with fastls.limit_cores(self.cores), ThreadPoolExecutor(self.cores) as pool:
-            for lo, hi in self._chunks(algorithm, hyper):
-                chunk = self.members[lo:hi]
-                rngs = [c.rng(round_index, algorithm) for c in chunk]
-                W, theta = step(lo, hi, rngs, np.repeat(w[None], hi - lo, axis=0), pool, **hyper)
-                for i, client in enumerate(chunk):
+        with fastls.limit_cores(1), ThreadPoolExecutor(self.cores) as pool:
+            for (lo, hi), (W, theta) in pool.map(train, self._chunks(algorithm, hyper)):
+                for i, client in enumerate(self.members[lo:hi]):
                     client.params = W[i]
                     if theta is not None:
                         client.theta = theta[i]
@@ -131,17 +143,14 @@ class ClientCohort:
             result["engine"] = "batched"
 
     def _chunks(self, algorithm, hyper):
-        """(lo, hi) slices of the members whose per-step arrays fit ``chunk_bytes`` (at least ``cores`` clients).
+        """(lo, hi) slices of the members whose per-step arrays fit ``chunk_bytes``.
 
         With minibatches of a fixed size (FedZO, pFedMe, pFedZO) a chunk also
         holds only clients whose batches have the same number of rows.
         """
         per_client = self.model.n_params * 8 * 6  # W, theta, the gradient and NumPy's temporaries
-        if algorithm in ("fedzo", "pfedzo"):
-            per_client += self.model.n_params * 8 * 2 * int(hyper.get("b2", 20))
-        elif algorithm == "baffle":
-            per_client += self.model.n_params * 8 * 2 * int(hyper.get("K", 100))
-        size = max(self.cores, self.chunk_bytes // per_client, 1)
+        # At least one chunk per thread.
+        size = max(1, min(self.chunk_bytes // per_client, -(-len(self.members) // self.cores)))
         batch = hyper.get("b1" if algorithm == "fedzo" else "batch_size")
         rows = [min(int(batch), c.data.n_train) if algorithm not in ("fedavg", "baffle") else 0
                 for c in self.members]
@@ -158,72 +167,61 @@ class ClientCohort:
         return x, y
 
     def _buffer(self, name, shape):
-        """A reused float64 array of ``shape`` (fresh arrays of this size cost a page fault per 4 kB each step)."""
+        """This thread's reused float64 array of ``shape`` (fresh ones cost a page fault per 4 kB at every step)."""
         size = int(np.prod(shape))
-        flat = self._buffers.get(name)
+        buffers = self._local.__dict__.setdefault("buffers", {})
+        flat = buffers.get(name)
         if flat is None or flat.size < size:
-            flat = self._buffers[name] = np.empty(size)
+            flat = buffers[name] = np.empty(size)
         return flat[:size].reshape(shape)
-
-    def _draw(self, pool, rngs, draw, count, *args):
-        """Each client's ``draw(rng, count, P, *args, out=...)`` into one (C, count, P) stack, on threads."""
-        out = self._buffer("draws", (len(rngs), int(count), self.model.n_params))
-        list(pool.map(lambda i: draw(rngs[i], count, self.model.n_params, *args, out=out[i]), range(len(rngs))))
-        return out
 
     def _sampled(self, lo, rngs, size):
         return self._gather(lo, [self.members[lo + i].sample(rng, size) for i, rng in enumerate(rngs)])
 
-    def _losses(self, W, vectors, scale, batch):
-        """Losses at W (C, P) and at W + scale * vectors (C, J, P): (C,), (C, J)."""
-        perturbed = np.multiply(vectors, scale, out=self._buffer("perturbed", vectors.shape))
-        perturbed += W[:, None]
-        return self.model.stacked_loss(W[:, None], *batch)[:, 0], self.model.stacked_loss(perturbed, *batch)
-
     def _grad(self, W, batch):
         return self.model.stacked_grad(W, *batch, out=self._buffer("grad", W.shape))
 
-    def _zo_grad(self, pool, rngs, W, batch, b2, mu):
-        """Two-point estimates (C, P) of every client's gradient at W (C, P) on its batch."""
-        directions = self._draw(pool, rngs, sphere_directions, b2)
-        f0, f = self._losses(W, directions, mu, batch)
-        return two_point_estimate(f0, f, directions, mu, out=self._buffer("grad", W.shape),
-                                  work=self._buffer("work", W.shape))
+    def _estimate(self, streams, W, batch, count, step, sphere):
+        """Zeroth-order estimates (C, P) at W (C, P), each client on its batch (see directional_estimate)."""
+        f0, losses = self.model.directional_losses(W, *batch)
+        block = max(1, min(int(count), BLOCK_BYTES // (W.nbytes or 1)))
+        return directional_estimate(f0, losses, streams, count, step, sphere=sphere,
+                                    buffer=self._buffer("directions", (len(W), block, W.shape[1])),
+                                    out=self._buffer("grad", W.shape), work=self._buffer("work", W.shape))
 
-    # -- the five local updates, each over members lo..hi ---------------------------
-    def _epochs(self, lo, rngs, W, batch_size, local_epochs, grad):
-        """Epoch passes of minibatch steps ``W -= lr * grad(...)``; the clients still stepping are a prefix."""
+    # -- the five local updates, each over members lo, lo + 1, ... (one per generator) ---
+    def _epochs(self, lo, rngs, streams, W, batch_size, local_epochs, grad):
+        """Epoch passes of minibatch steps ``W -= grad(...)``; the clients still stepping are a prefix."""
         b = int(batch_size)
         for _ in range(int(local_epochs)):
             orders = [rng.permutation(self.members[lo + i].data.n_train) for i, rng in enumerate(rngs)]
             for s in range(0, len(orders[0]), b):
                 rows = [order[s:s + b] for order in orders if len(order) > s]
                 for a, z in _runs([len(r) for r in rows]):  # the full batches, then each length of last batch
-                    W[a:z] -= grad(rngs[a:z], W[a:z], self._gather(lo + a, rows[a:z]))
+                    W[a:z] -= grad(streams[a:z], W[a:z], self._gather(lo + a, rows[a:z]))
         return W
 
-    def _fedavg(self, lo, hi, rngs, W, pool, *, lr, batch_size, local_epochs=1):
-        def step(rngs, W, batch):
+    def _fedavg(self, lo, rngs, streams, W, *, lr, batch_size, local_epochs=1):
+        def step(streams, W, batch):
             g = self._grad(W, batch)
             g *= lr
             return g
 
-        return self._epochs(lo, rngs, W, batch_size, local_epochs, step), None
+        return self._epochs(lo, rngs, streams, W, batch_size, local_epochs, step), None
 
-    def _baffle(self, lo, hi, rngs, W, pool, *, lr, batch_size, K=100, sigma=1e-4, clip=0.3, local_epochs=1):
-        def step(rngs, W, batch):
-            deltas = self._draw(pool, rngs, gaussian_perturbations, K, sigma)
-            f0, f = self._losses(W, deltas, 1.0, batch)
-            g = stein_estimate(f0, f, deltas, sigma, clip, out=self._buffer("grad", W.shape),
-                               work=self._buffer("work", W.shape))
+    def _baffle(self, lo, rngs, streams, W, *, lr, batch_size, K=100, sigma=1e-4, clip=0.3, local_epochs=1):
+        def step(streams, W, batch):
+            g = self._estimate(streams, W, batch, K, sigma, sphere=False)
+            if clip is not None:
+                np.clip(g, -clip, clip, out=g)
             g *= lr
             return g
 
-        return self._epochs(lo, rngs, W, batch_size, local_epochs, step), None
+        return self._epochs(lo, rngs, streams, W, batch_size, local_epochs, step), None
 
-    def _fedzo(self, lo, hi, rngs, W, pool, *, lr, local_iters, b1, b2=20, mu=1e-3):
+    def _fedzo(self, lo, rngs, streams, W, *, lr, local_iters, b1, b2=20, mu=1e-3):
         for _ in range(int(local_iters)):
-            g = self._zo_grad(pool, rngs, W, self._sampled(lo, rngs, b1), b2, mu)
+            g = self._estimate(streams, W, self._sampled(lo, rngs, b1), b2, mu, sphere=True)
             g *= lr
             W -= g
         return W, None
@@ -238,12 +236,12 @@ class ClientCohort:
             moreau_outer_step(W, theta, lr, lamda, work)
         return W, theta
 
-    def _pfedme(self, lo, hi, rngs, W, pool, *, lr, personal_lr, lamda, K=5, batch_size=20, local_epochs=20):
+    def _pfedme(self, lo, rngs, streams, W, *, lr, personal_lr, lamda, K=5, batch_size=20, local_epochs=20):
         return self._moreau(lo, rngs, W, self._grad, lr=lr, personal_lr=personal_lr, lamda=lamda, K=K,
                             batch_size=batch_size, local_epochs=local_epochs)
 
-    def _pfedzo(self, lo, hi, rngs, W, pool, *, lr, personal_lr, lamda, K=5, batch_size=20, local_epochs=20,
+    def _pfedzo(self, lo, rngs, streams, W, *, lr, personal_lr, lamda, K=5, batch_size=20, local_epochs=20,
                 b2=20, mu=1e-3):
-        return self._moreau(lo, rngs, W, lambda theta, batch: self._zo_grad(pool, rngs, theta, batch, b2, mu),
+        return self._moreau(lo, rngs, W, lambda theta, batch: self._estimate(streams, theta, batch, b2, mu, True),
                             lr=lr, personal_lr=personal_lr, lamda=lamda, K=K, batch_size=batch_size,
                             local_epochs=local_epochs)

@@ -12,102 +12,131 @@ gradient of the sphere-smoothed loss, which tends to grad f as mu -> 0.
 
 BAFFLE (forward-difference Stein estimator, Gaussian perturbations)::
 
-    delta_k ~ N(0, sigma^2 I_d),  k = 1..K
+    delta_k = sigma u_k,  u_k ~ N(0, I_d),  k = 1..K
     g = 1 / (K * sigma^2) * sum_k [f(w + delta_k) - f(w)] delta_k
     g <- clip(g, -c, c)            (coordinate-wise, c = 0.3)
 
 The clipping bounds the infinity norm of the estimate by ``c`` (our reading
 of BAFFLE's "gradient clipping at 0.3"; set ``clip=None`` to disable).
 
-The draws (:func:`sphere_directions`, :func:`gaussian_perturbations`) and the
-sums over directions (:func:`two_point_estimate`, :func:`stein_estimate`) are
-shared by the per-client and the batched engine: both consume a client's
-generator in the same order and add the directions in the same order, so the
-two engines' parameters agree to rounding of the loss evaluations alone.
-Generator: NumPy's ``default_rng`` (PCG64, ziggurat normals), seeded per
-client, round and algorithm (:meth:`fedlayer.baselines.BaselineClient.rng`).
+Both are computed by :func:`directional_estimate` from the raw draws u_j
+(never normalized in memory: ``v_j = u_j / ||u_j||`` enters as the scale
+``mu / ||u_j||`` of the step and the weight ``1 / ||u_j||`` of the sum), a few
+directions at a time so that each block of draws is still in cache when the
+sum over directions reads it back. The per-client and the batched engine
+both call it, so they agree bit for bit.
+
+The draws: each client has one :class:`DirectionStream` per round and
+algorithm, fastls' counter-based N(0, 1) stream (:func:`fastls.normal_rows`:
+SplitMix64 words through a ziggurat; draw i depends on the key and i only).
+Its key is derived from (seed, client, round, algorithm) by NumPy's
+``SeedSequence``. Minibatches are drawn from a separate NumPy generator.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["gaussian_perturbations", "sphere_directions", "stein_estimate", "stein_gradient", "two_point_estimate",
-           "zo_sphere_gradient"]
+import fastls
+
+__all__ = ["DirectionStream", "directional_estimate", "stein_gradient", "zo_sphere_gradient"]
 
 
-def sphere_directions(rng, count, d, out=None):
-    """``count`` directions uniform on the unit sphere of R^d: rows of N(0, I) draws over their norms.
+class DirectionStream:
+    """Draws 0, 1, 2, ... of fastls' counter-based N(0, 1) stream ``key``, handed out a block of rows at a time.
 
-    Returns (count, d) float64 (``out`` when given, C-contiguous). The
-    draws fill the array in one call, which consumes ``rng`` exactly as
-    ``count`` calls of ``rng.standard_normal(d)`` would.
+    Parameters
+    ----------
+    key : int in [0, 2**64), or a sequence of ints hashed to one by ``np.random.SeedSequence``
     """
-    v = rng.standard_normal((int(count), int(d))) if out is None else rng.standard_normal(out=out)
-    # Not np.linalg.norm: its dot runs on NumPy's BLAS, whose threads then
-    # fight the model's products on SciPy's (fastls.matmul) for the cores.
-    # On MNIST's DNN under 2 cores that made a FedZO round 5x slower.
-    v /= np.sqrt(np.einsum("ji,ji->j", v, v))[:, None]
-    return v
+
+    def __init__(self, key):
+        if not isinstance(key, (int, np.integer)):
+            key = np.random.SeedSequence(list(map(int, key))).generate_state(1, np.uint64)[0]
+        self.key = int(key)
+        self.position = 0
+
+    def rows(self, out):
+        """Fill ``out`` (rows, d) with the next draws; returns each row's squared norm (rows,)."""
+        sumsq = fastls.normal_rows(out, self.key, self.position)
+        self.position += out.size
+        return sumsq
 
 
-def gaussian_perturbations(rng, count, d, sigma, out=None):
-    """``count`` draws of N(0, sigma^2 I_d): (count, d) float64 (``out`` when given)."""
-    delta = rng.standard_normal((int(count), int(d))) if out is None else rng.standard_normal(out=out)
-    delta *= sigma
-    return delta
+def directional_estimate(f0, losses, streams, count, step, *, sphere, buffer, out=None, work=None):
+    """The two-point (``sphere=True``) or Stein estimate of each of C clients' gradients.
 
+    Parameters
+    ----------
+    f0 : ndarray (C,)
+        Each client's loss at its parameters w.
+    losses : callable(U (C, J, d), scales (C, J)) -> (C, J)
+        Each client's losses at w + scales[c, j] * U[c, j].
+    streams : sequence of C DirectionStream
+    count : int
+        Directions per client: b2 (FedZO) or K (BAFFLE).
+    step : float
+        mu (the sphere's radius) or sigma (the perturbations' std).
+    buffer : ndarray (C, J, d) float64
+        Holds J directions per client at a time (J <= count); blocks of J
+        give the same numbers as any other J.
+    out, work : ndarray (C, d) float64, optional
+        The result, and room for one direction's term of the sum.
 
-def _weighted_sum(weights, vectors, out, work):
-    """out = sum_j weights[..., j] vectors[..., j, :], added in order of j (both engines add alike)."""
-    out = np.zeros(vectors.shape[:-2] + vectors.shape[-1:]) if out is None else out
-    out[...] = 0.0
-    for j in range(vectors.shape[-2]):
-        work = np.multiply(weights[..., j, None], vectors[..., j, :], out=work)
-        out += work
-    return out
-
-
-def two_point_estimate(f0, f, directions, mu, out=None, work=None):
-    """g = d / (b2 mu) * sum_j (f_j - f0) v_j over directions (..., b2, d); f0 (...), f (..., b2).
-
-    ``out`` and ``work`` (..., d) are optional buffers (the result is ``out``).
+    Returns
+    -------
+    g : ndarray (C, d)
+        ``d / (count step) sum_j (f_j - f0) u_j / ||u_j||`` with f_j at
+        ``w + step u_j / ||u_j||`` (sphere), or ``1 / (count step) sum_k
+        (f_k - f0) u_k`` with f_k at ``w + step u_k`` (Stein, unclipped).
     """
-    b2, d = directions.shape[-2:]
-    g = _weighted_sum(f - np.asarray(f0)[..., None], directions, out, work)
-    g *= d / (b2 * mu)
+    n_clients, block, d = buffer.shape
+    g = np.zeros((n_clients, d)) if out is None else out
+    g[...] = 0.0
+    for first in range(0, int(count), block):
+        U = buffer[:, :min(block, int(count) - first)]
+        sumsq = np.stack([stream.rows(U[c]) for c, stream in enumerate(streams)])
+        if sphere:
+            norms = np.sqrt(sumsq)
+            weights = losses(U, step / norms) - f0[:, None]
+            weights /= norms
+        else:
+            weights = losses(U, np.full(sumsq.shape, float(step))) - f0[:, None]
+        for j in range(U.shape[1]):
+            work = np.multiply(weights[:, j, None], U[:, j], out=work)
+            g += work
+    g *= d / (int(count) * step) if sphere else 1.0 / (int(count) * step)
     return g
 
 
-def stein_estimate(f0, f, deltas, sigma, clip, out=None, work=None):
-    """g = 1 / (K sigma^2) * sum_k (f_k - f0) delta_k, clipped to [-clip, clip]; deltas (..., K, d)."""
-    K = deltas.shape[-2]
-    g = _weighted_sum(f - np.asarray(f0)[..., None], deltas, out, work)
-    g /= K * sigma**2
-    if clip is not None:
-        np.clip(g, -clip, clip, out=g)
-    return g
+def _one_client(f, w):
+    """f0 and the losses function of :func:`directional_estimate` for one vector w and a function f of a stack."""
+    return (np.array([f(w[None])[0]]),
+            lambda U, scales: f(w + scales[0][:, None] * U[0])[None])
 
 
-def zo_sphere_gradient(f, w, b2, mu, rng, f0=None):
+def zo_sphere_gradient(f, w, b2, mu, stream, block=4):
     """Two-point estimate g = d / (b2 mu) * sum_j [f(w + mu v_j) - f(w)] v_j, v_j uniform on the unit sphere.
 
     ``f`` maps a stack of parameter vectors (J, d) to their losses (J,);
-    ``f0 = f(w)`` may be given. Costs one evaluation of b2 (+1) vectors.
+    ``stream`` is a :class:`DirectionStream`. Costs b2 (+1) evaluations.
     """
-    f0 = f(w[None])[0] if f0 is None else f0
-    directions = sphere_directions(rng, b2, w.size)
-    return two_point_estimate(f0, f(w + mu * directions), directions, mu)
+    f0, losses = _one_client(f, w)
+    buffer = np.empty((1, min(int(block), int(b2)), w.size))
+    return directional_estimate(f0, losses, [stream], b2, mu, sphere=True, buffer=buffer)[0]
 
 
-def stein_gradient(f, w, K, sigma, rng, clip=0.3, f0=None):
+def stein_gradient(f, w, K, sigma, stream, clip=0.3, block=4):
     """BAFFLE's estimate g = 1 / (K sigma^2) * sum_k [f(w + delta_k) - f(w)] delta_k, delta_k ~ N(0, sigma^2 I).
 
     ``f`` maps a stack of parameter vectors (J, d) to their losses (J,).
     With ``clip`` (default 0.3), every coordinate of g is clipped to
     ``[-clip, clip]`` (infinity-norm clipping); ``clip=None`` returns the raw
-    estimate. Costs one evaluation of K (+1) vectors.
+    estimate. Costs K (+1) evaluations.
     """
-    f0 = f(w[None])[0] if f0 is None else f0
-    deltas = gaussian_perturbations(rng, K, w.size, sigma)
-    return stein_estimate(f0, f(w + deltas), deltas, sigma, clip)
+    f0, losses = _one_client(f, w)
+    buffer = np.empty((1, min(int(block), int(K)), w.size))
+    g = directional_estimate(f0, losses, [stream], K, sigma, sphere=False, buffer=buffer)[0]
+    if clip is not None:
+        np.clip(g, -clip, clip, out=g)
+    return g

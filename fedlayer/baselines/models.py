@@ -140,27 +140,53 @@ class BaselineModel:
         return self.loss_and_grad(params, x, y)[1]
 
     # -- stacked clients (the batched engine) --------------------------------
-    def stacked_loss(self, params, x, y):
-        """Mean cross-entropy of each of J parameter vectors of each of C clients on that client's batch.
+    def _mean_nll(self, logits, y):
+        """Mean cross-entropy over the rows (axis -2) of ``logits`` (..., m, classes) with labels y (..., m)."""
+        logp = self._log_softmax(logits)
+        index = np.broadcast_to(y[..., None], logp.shape[:-1] + (1,))
+        return -np.take_along_axis(logp, index, axis=-1)[..., 0].mean(axis=-1)
+
+    def directional_losses(self, W, x, y):
+        """Each client's loss at its parameters, and its losses along directions from there.
 
         Parameters
         ----------
-        params : ndarray (C, J, P) float64
+        W : ndarray (C, P) float64
+            One parameter vector per client.
         x : ndarray (C, m, n_features) float64
-            Each client's minibatch (the same number of rows m for all).
+            Each client's minibatch (m rows for all).
         y : ndarray (C, m) int
 
         Returns
         -------
-        ndarray (C, J)
-
-        The zeroth-order estimates of both engines evaluate their losses
-        here, so that a client's losses do not depend on how many clients
-        share the stack: the estimates amplify a loss's last bit.
+        f0 : ndarray (C,)
+        losses : callable(U (C, J, P), scales (C, J)) -> ndarray (C, J)
+            The losses at ``W[c] + scales[c, j] U[c, j]``. The first layer is
+            evaluated as ``x W_1 + s (x U_1)``, a product on the draws
+            themselves (the widest matrix is never copied perturbed), the
+            others with perturbed weights. Each client's numbers depend on its
+            own slices only, not on how many clients share the stack.
         """
-        logp = self._log_softmax(self.logits(params, x[:, None]))
-        index = np.broadcast_to(y[:, None, :, None], logp.shape[:-1] + (1,))
-        return -np.take_along_axis(logp, index, axis=-1)[..., 0].mean(axis=-1)
+        views = self.unpack(W)
+        n_layers = len(views) // 2
+        base = np.matmul(x, views[0])  # x W_1, shared by every direction
+        z = base + views[1][:, None, :]
+        for l in range(1, n_layers):
+            z = np.matmul(np.maximum(z, 0.0), views[2 * l]) + views[2 * l + 1][:, None, :]
+        f0 = self._mean_nll(z, y)
+
+        def losses(U, scales):
+            directions = self.unpack(U)
+            s = scales[..., None, None]
+            z = base[:, None] + s * np.matmul(x[:, None], directions[0])
+            z += (views[1][:, None] + scales[..., None] * directions[1])[..., None, :]
+            for l in range(1, n_layers):
+                weights = views[2 * l][:, None] + s * directions[2 * l]
+                bias = views[2 * l + 1][:, None] + scales[..., None] * directions[2 * l + 1]
+                z = np.matmul(np.maximum(z, 0.0), weights) + bias[..., None, :]
+            return self._mean_nll(z, y[:, None])
+
+        return f0, losses
 
     def stacked_grad(self, params, x, y, out=None):
         """Gradients (C, P) of each client's mean loss at params (C, P) on its batch x (C, m, n_features), y (C, m).

@@ -25,7 +25,8 @@ def save_baseline_checkpoint(path, *, fingerprint, params, rounds, best_accuracy
     uninterrupted one would have run.
     """
     write_state(path, {"format": _FORMAT, "fingerprint": fingerprint, "rounds": rounds,
-                       "best_accuracy": best_accuracy}, {"params": np.asarray(params, dtype=np.float64)})
+                       "best_accuracy": best_accuracy}, {"params": np.asarray(params, dtype=np.float64)},
+                compress=True)  # a thousand rounds of per-client records deflate about threefold
 
 
 def load_baseline_checkpoint(path, fingerprint):
