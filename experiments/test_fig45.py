@@ -26,3 +26,12 @@ def test_round_one_bound_per_seed_format():
     (line,) = fig45.round_one_bound([[1.0, 1.0], [2.0, 0.0]], [[2.0, 2.0], [2.0, 2.0]], over_seeds)
     assert seeds_text == [pytest.approx([0.25, 0.5]), pytest.approx([0.5, 0.0])]
     assert "is 0.25 / 0.50 of" in line and "is 0.50 / 0.00." in line
+
+
+def test_baselines_report_the_batched_runs_accuracy_and_curve():
+    timed = {"accuracy": 0.5, "rounds": {"1": {"accuracy": 0.4}, "2": {"accuracy": None}, "3": {"accuracy": 0.5}}}
+    assert fig45.final_accuracy(timed) == 0.5
+    assert fig45.accuracy_curve(timed) == [(1, 0.4), (3, 0.5)]
+    timed["accuracy_run"] = {"engine": "batched", "rounds": 600, "accuracy": 0.8, "curve": [[6, 0.6], [600, 0.8]]}
+    assert fig45.final_accuracy(timed) == 0.8
+    assert fig45.accuracy_curve(timed) == [(6, 0.6), (600, 0.8)]
