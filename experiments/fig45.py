@@ -69,15 +69,15 @@ def accuracy_run(algorithm, args, seed, dataset, rounds):
 
     The batched engine gives the per-client engine's parameters (to rounding:
     tests/test_baseline_engines.py), so this is the timed run's curve,
-    continued to the paper's budget. Its checkpoint is removed once it ends.
+    continued to the paper's budget. Its checkpoint stays until the seed's
+    results are written (a finished one resumes to the same results at once).
     """
     checkpoint = Path(args.checkpoints) / f"fig45-{args.dataset}-{algorithm}-seed{seed}.npz"
     config = RunConfig(algorithm=algorithm, dataset=args.dataset, model="dnn", seed=seed, rounds=rounds,
                        eval_every=args.eval_every or max(1, rounds // 100), engine="batched",
                        checkpoint=str(checkpoint), resume=True, checkpoint_every=10)
     results = run(config, dataset=dataset)
-    checkpoint.unlink(missing_ok=True)
-    return {"engine": "batched", "rounds": rounds, "accuracy": results["accuracy"],
+    return {"engine": "batched", "rounds": rounds, "accuracy": results["accuracy"], "checkpoint": str(checkpoint),
             "curve": [[int(k), r["accuracy"]] for k, r in results["rounds"].items() if r["accuracy"] is not None]}
 
 
@@ -146,8 +146,11 @@ def main():
             t = results["time_per_client"]
             print(f"seed {seed} {algorithm}: accuracy {results['accuracy']:.4f}, total/client {t['total_s']:.2f} s, "
                   f"idle {t['idle_s']:.3f} s, wall {results['wall_s']:.0f} s", flush=True)
+        finished = [results["accuracy_run"].pop("checkpoint") for results in runs.values() if "accuracy_run" in results]
         with open(out / f"fig45_{name}.json", "w") as f:
             json.dump({str(k): v for k, v in by_seed.items()}, f, indent=1)
+        for checkpoint in finished:  # the seed's results are on disk now
+            Path(checkpoint).unlink(missing_ok=True)
 
     def total(runs, algorithm, extrapolate=True):
         results = runs[algorithm]

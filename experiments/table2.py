@@ -21,7 +21,7 @@ The baselines run on the batched engine (``--engine batched``, the same
 parameters as the per-client engine) and write a checkpoint every 10 rounds
 under ``--checkpoints``: an interrupted cell goes on from its last
 checkpoint when the same command runs again, and its checkpoint is removed
-once the cell is in the JSON. They are evaluated every ``--eval-every``
+once the cell is in the ``--json`` file. They are evaluated every ``--eval-every``
 rounds (every ``budget // 50`` of shorter budgets) and after the last;
 "best accuracy" is the best of those evaluations.
 """
@@ -134,9 +134,10 @@ def run_cells(args, budget, cells, on_cell=None):
             start = time.perf_counter()
             results = run(config, dataset=dataset)
             cell["accuracy"].append(100 * results.get("best_accuracy", results["accuracy"]))
-            # A resumed cell's minutes are this run's share only: scale them to the whole budget.
-            done_here = rounds - (results.get("resumed_from_round") or 0) if rounds else 1
-            cell["minutes"].append((time.perf_counter() - start) / 60 * (rounds or 1) / max(done_here, 1))
+            walls = [record.get("wall_s") for record in results["rounds"].values()]
+            # A resumed cell's wall time is this run's share only: its rounds' own wall times add up the whole.
+            minutes = (sum(walls) if walls and None not in walls else time.perf_counter() - start) / 60
+            cell["minutes"].append(minutes)
             if algorithm in BASELINES:
                 cell["rounds"] = rounds
                 cell["curves"].append([[int(r), 100 * rec["accuracy"]] for r, rec in results["rounds"].items()
@@ -145,8 +146,8 @@ def run_cells(args, budget, cells, on_cell=None):
                   f"({cell['minutes'][-1]:.1f} min)", flush=True)
             if on_cell:
                 on_cell()
-            if checkpoint is not None and os.path.exists(checkpoint):
-                os.remove(checkpoint)  # the cell is in the JSON now
+            if checkpoint is not None and args.json and os.path.exists(checkpoint):
+                os.remove(checkpoint)  # the cell is in the JSON file now (without one, the checkpoint keeps it)
         del dataset
 
 
@@ -251,6 +252,13 @@ def plot_curves(cells, path):
     plt.close(fig)
 
 
+def _positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
@@ -271,7 +279,7 @@ def main(argv=None):
     parser.add_argument("--merge", nargs="+", default=[], help="--json files of earlier runs; their cells are kept")
     parser.add_argument("--checkpoints", default="experiments/checkpoints",
                         help="folder of the baselines' checkpoints (every 10 rounds), to resume interrupted cells")
-    parser.add_argument("--eval-every", type=int, default=10,
+    parser.add_argument("--eval-every", type=_positive, default=10,
                         help="baselines: evaluate at most every N rounds (every round of budgets under 100) and the last")
     args = parser.parse_args(argv)
     use_shared_data()  # the checkout's ../shared/data unless FEDLAYER_DATA_DIR says otherwise

@@ -2,17 +2,20 @@
 """Counter-based standard normal draws: SplitMix64 words through a 256-layer ziggurat.
 
 Draw ``i`` of stream ``key`` is a function of ``(key, i)`` alone, so any
-slice of a stream can be filled on its own, on any thread, in any order.
-The ziggurat is Marsaglia and Tsang's (2000), with NumPy's layout of a
-64-bit word (8 bits of layer, 1 of sign, 52 of abscissa) and 256 layers;
-its rare second tries (about 1.2 % of draws) take their words from a second
-SplitMix64 stream, keyed apart, at counters ``64 i + k``.
+slice of a stream can be filled on its own, on any thread, in any order:
+word ``i`` is SplitMix64's output function of ``key + (i + 1) gamma``, with
+an odd increment ``gamma`` of the stream's own, derived from the key as
+SplitMix64's ``split`` derives one (so two streams are not shifted copies
+of one sequence). The ziggurat is Marsaglia and Tsang's (2000), with
+NumPy's layout of a 64-bit word (8 bits of layer, 1 of sign, 52 of
+abscissa) and 256 layers; its rare second tries (about 1.2 % of draws)
+take their words from a second stream, keyed apart, at counters
+``64 i + k`` (so a stream holds 2**58 draws).
 """
 
 from libc.math cimport exp, log, log1p, sqrt
 from libc.stdint cimport uint64_t
 
-cdef uint64_t _GOLDEN = 0x9E3779B97F4A7C15ULL
 cdef uint64_t _SECOND = 0xD1B54A32D192ED03ULL   # keys a draw's second tries apart from the first words
 cdef double _R = 3.6541528853610088             # start of the tail (256 layers)
 cdef double _V = 0.00492867323399               # area of each layer
@@ -50,6 +53,26 @@ cdef inline uint64_t _mix(uint64_t z) noexcept nogil:
     return z ^ (z >> 31)
 
 
+cdef inline uint64_t _gamma(uint64_t key) noexcept nogil:
+    """The odd increment of stream ``key`` (SplitMix64's mixGamma, after Steele, Lea and Flood)."""
+    cdef uint64_t z = key ^ 0x5851F42D4C957F2DULL
+    z = (z ^ (z >> 33)) * 0xFF51AFD7ED558CCDULL
+    z = (z ^ (z >> 33)) * 0xC4CEB9FE1A85EC53ULL
+    z = (z ^ (z >> 33)) | 1
+    # Increments with few bit changes make poor sequences; SplitMix64 flips them.
+    if _popcount(z ^ (z >> 1)) < 24:
+        z ^= 0xAAAAAAAAAAAAAAAAULL
+    return z
+
+
+cdef inline int _popcount(uint64_t z) noexcept nogil:
+    cdef int n = 0
+    while z:
+        z &= z - 1
+        n += 1
+    return n
+
+
 cdef inline double _abscissa(uint64_t r, uint64_t *idx, uint64_t *rabs) noexcept nogil:
     """A word's layer, its 52-bit position in the layer, and the signed point there (NumPy's layout)."""
     cdef double x
@@ -66,30 +89,32 @@ cdef inline double _unit(uint64_t word) noexcept nogil:
 
 cdef double _retry(uint64_t key, uint64_t index, uint64_t idx, uint64_t rabs, double x) noexcept nogil:
     """Draw ``index`` from its word's wedge or tail test on; new words come from the second stream."""
-    cdef uint64_t base = (key ^ _SECOND) + (index << 6) * _GOLDEN
+    cdef uint64_t second = key ^ _SECOND
+    cdef uint64_t step = _gamma(second)
+    cdef uint64_t base = second + (index << 6) * step
     cdef uint64_t k = 0
     cdef double xx, yy
     while True:
         # (idx, rabs, x): a word outside its layer's rectangle
         if idx == 0:
             while True:  # the tail beyond _R, by Marsaglia's exponential method
-                xx = -log1p(-_unit(_mix(base + (k + 1) * _GOLDEN))) / _R
-                yy = -log1p(-_unit(_mix(base + (k + 2) * _GOLDEN)))
+                xx = -log1p(-_unit(_mix(base + (k + 1) * step))) / _R
+                yy = -log1p(-_unit(_mix(base + (k + 2) * step)))
                 k += 2
                 if yy + yy > xx * xx:
                     return -(_R + xx) if (rabs >> 8) & 0x1 else _R + xx
         k += 1
-        if (_fi[idx - 1] - _fi[idx]) * _unit(_mix(base + k * _GOLDEN)) + _fi[idx] < exp(-0.5 * x * x):
+        if (_fi[idx - 1] - _fi[idx]) * _unit(_mix(base + k * step)) + _fi[idx] < exp(-0.5 * x * x):
             return x
         k += 1
-        x = _abscissa(_mix(base + k * _GOLDEN), &idx, &rabs)
+        x = _abscissa(_mix(base + k * step), &idx, &rabs)
         if rabs < _ki[idx]:
             return x
 
 
-cdef inline double _normal(uint64_t key, uint64_t index) noexcept nogil:
+cdef inline double _normal(uint64_t key, uint64_t step, uint64_t index) noexcept nogil:
     cdef uint64_t idx, rabs
-    cdef double x = _abscissa(_mix(key + (index + 1) * _GOLDEN), &idx, &rabs)
+    cdef double x = _abscissa(_mix(key + (index + 1) * step), &idx, &rabs)
     if rabs < _ki[idx]:
         return x
     return _retry(key, index, idx, rabs, x)
@@ -99,12 +124,13 @@ def normal_rows(double[:, ::1] out, double[::1] sumsq, uint64_t key, uint64_t st
     """out[r, j] = draw ``start + r d + j`` of the standard normal stream ``key``; sumsq[r] = sum_j out[r, j]^2."""
     cdef Py_ssize_t r, j, d = out.shape[1]
     cdef uint64_t index = start
+    cdef uint64_t step = _gamma(key)
     cdef double x, total
     with nogil:
         for r in range(out.shape[0]):
             total = 0.0
             for j in range(d):
-                x = _normal(key, index)
+                x = _normal(key, step, index)
                 out[r, j] = x
                 total = total + x * x
                 index += 1

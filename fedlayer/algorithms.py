@@ -271,8 +271,12 @@ class BaselineAlgorithm(Algorithm):
         baseline_hyper(self.name, config.dataset, config.model, **(config.hyper or {}))  # names unknown keys
 
     def fingerprint(self, config, hyper):
-        """The settings that determine a baseline's parameters (checked on resume); each hyperparameter by name."""
-        return {"algorithm": self.name, "model": config.model, **config.split(),
+        """The settings that determine a baseline's parameters and records (checked on resume).
+
+        Each hyperparameter by name. Not the engine: both give the same
+        parameters (to rounding), so a run may go on with the other.
+        """
+        return {"algorithm": self.name, "model": config.model, **config.split(), "eval_every": config.eval_every,
                 **{f"hyperparameter {key}": value for key, value in sorted(hyper.items())}}
 
     def make_client(self, cid, data, config, n_classes, model_config, cores):

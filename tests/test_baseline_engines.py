@@ -140,15 +140,46 @@ def test_divergence_names_the_round_the_step_size_and_what_was_kept(tmp_path):
     path = tmp_path / "c.npz"
     fingerprint = {"algorithm": "fedavg"}
     clients = [_BlowsUpInRound3(i, d, "lr", N_CLASSES, 0) for i, d in enumerate(ragged_clients(6))]
-    with pytest.raises(Diverged, match=r"fedavg diverged in round 3: .*\{'lr': 0.02\}.*"
+    with pytest.raises(Diverged, match=r"fedavg diverged in round 3: .*\{'lr': 0.02, 'beta': 1.0\}.*"
                                        r"c.npz holds the state after round 2"):
         run_baseline(InProcessTransport(clients), "fedavg", 10, lr=0.02, batch_size=8, checkpoint=path,
                      checkpoint_every=2, fingerprint=fingerprint)
     state = load_baseline_checkpoint(path, fingerprint)  # still readable, and finite
     assert len(state["rounds"]) == 2 and np.isfinite(state["params"]).all()
     # A step size that overflows in the first round: no checkpoint yet, and the message says no more.
-    with pytest.raises(Diverged, match=r"diverged in round 1: .*'lr': 1000000.0\}\); lower the step sizes \(--hyper\)$"):
+    with pytest.raises(Diverged, match=r"diverged in round 1: .*'lr': 1000000.0, 'beta': 1.0\}\); lower the step "
+                                       r"sizes \(--hyper\)$"):
         train(ragged_clients(6), "fedavg", "dnn", "batched", rounds=5, lr=1e6)
+
+
+def test_a_run_that_grows_without_bound_is_diverged_before_it_overflows():
+    # pFedMe's inner steps grow geometrically once personal_lr * lamda > 2: finite for hundreds of rounds.
+    with pytest.raises(Diverged, match=r"pfedme diverged in round \d+: its global parameters reach .* in absolute "
+                                       r"value .*'lamda': 100000.0"):
+        train(ragged_clients(7), "pfedme", "lr", "batched", rounds=60, lamda=1e5)
+
+
+def test_going_on_past_an_unscheduled_last_evaluation_repeats_the_straight_run(tmp_path):
+    data, path, fingerprint = ragged_clients(8), tmp_path / "c.npz", {"algorithm": "fedavg"}
+    straight, _ = train(data, "fedavg", "lr", "batched", rounds=4, eval_every=2)
+    train(data, "fedavg", "lr", "batched", rounds=3, eval_every=2, checkpoint=path, fingerprint=fingerprint)
+    resumed, _ = train(data, "fedavg", "lr", "batched", rounds=4, eval_every=2,
+                       resume=load_baseline_checkpoint(path, fingerprint))
+    assert [r["accuracy"] for r in resumed["rounds"]] == [r["accuracy"] for r in straight["rounds"]]
+    assert resumed["best_accuracy"] == straight["best_accuracy"]
+
+
+def test_the_batched_engine_takes_the_local_updates_default_batch_size():
+    data = ragged_clients(9, (5, 30, 50))
+    for engine in ("per-client", "batched"):
+        clients = [BaselineClient(i, d, "lr", N_CLASSES, 0) for i, d in enumerate(data)]
+        if engine == "batched":
+            ClientCohort(clients)
+        results = [c.local_train("pfedme", clients[0].initial_params()["params"], 0, lr=0.01, personal_lr=0.05,
+                                 lamda=15.0) for c in clients]
+        if engine == "per-client":
+            expected = results
+    assert all(np.array_equal(a["params"], b["params"]) for a, b in zip(results, expected))
 
 
 # --------------------------------------------------------------------------- #

@@ -136,8 +136,12 @@ def test_fedzo_estimator_is_the_two_point_formula_without_numpys_norm(monkeypatc
         raise AssertionError("zo_sphere_gradient called np.linalg.norm")
 
     monkeypatch.setattr(np.linalg, "norm", refuse)
-    for block in (1, 3, 7):  # any block of directions at a time: the same estimate
-        assert_close(zo_sphere_gradient(f, w, b2, mu, DirectionStream(3), block=block), expected, np.float64, d)
+    estimates = [zo_sphere_gradient(f, w, b2, mu, DirectionStream(3), block=block) for block in (1, 3, 7)]
+    # The estimator steps by (mu / ||u||) u rather than mu (u / ||u||): a loss's rounding, divided by a
+    # difference of order mu |g . v|, leaves about 1e-12 relative between the two ways of writing it.
+    assert_close(estimates[0], expected, np.float64, rtol=1e-10)
+    for other in estimates[1:]:  # any block of directions at a time: the same numbers
+        assert np.array_equal(other, estimates[0])
 
 
 def test_direction_streams_are_normal_and_depend_on_key_and_index_only():
@@ -296,7 +300,9 @@ def test_time_records():
     down = clock.transfer(n_params * 8)
     up = clock.transfer(n_params * 8 + 8)  # the parameters plus the sample count
     for record in out["rounds"]:
-        assert set(record) == {"stage", "layer", "accuracy", "server_s", "bytes_up", "bytes_down", "clients"}
+        assert set(record) == {"stage", "layer", "accuracy", "server_s", "bytes_up", "bytes_down", "clients",
+                               "wall_s"}
+        assert record["wall_s"] >= max(t["compute_s"] for t in record["clients"].values())
         assert record["bytes_up"] > 0 and record["bytes_down"] > 0
         assert record["server_s"] >= 0
         clients = record["clients"]

@@ -9,7 +9,7 @@ from scipy import stats
 import fastls
 
 MASK = (1 << 64) - 1
-GOLDEN, SECOND = 0x9E3779B97F4A7C15, 0xD1B54A32D192ED03
+SECOND = 0xD1B54A32D192ED03
 R, V = 3.6541528853610088, 0.00492867323399
 
 
@@ -18,6 +18,15 @@ def mix(z):
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
     return z ^ (z >> 31)
+
+
+def gamma(key):
+    """SplitMix64's mixGamma: an odd increment of the stream's own."""
+    z = key ^ 0x5851F42D4C957F2D
+    z = ((z ^ (z >> 33)) * 0xFF51AFD7ED558CCD) & MASK
+    z = ((z ^ (z >> 33)) * 0xC4CEB9FE1A85EC53) & MASK
+    z = (z ^ (z >> 33)) | 1
+    return z ^ 0xAAAAAAAAAAAAAAAA if bin(z ^ (z >> 1)).count("1") < 24 else z
 
 
 def tables():
@@ -53,11 +62,13 @@ def unit(word):
 
 def reference_normal(key, index):
     """Draw ``index`` of stream ``key``, as the kernel's docstring describes it, one Python int at a time."""
-    idx, rabs, x = abscissa(mix(key + (index + 1) * GOLDEN))
+    idx, rabs, x = abscissa(mix(key + (index + 1) * gamma(key)))
     if rabs < KI[idx]:
         return x, False
-    base, k = (key ^ SECOND) + (index << 6) * GOLDEN, 0
-    word = lambda k: mix(base + k * GOLDEN)  # noqa: E731
+    second = key ^ SECOND
+    step = gamma(second)
+    base, k = second + (index << 6) * step, 0
+    word = lambda k: mix(base + k * step)  # noqa: E731
     while True:
         if idx == 0:
             while True:
@@ -77,7 +88,7 @@ def reference_normal(key, index):
 
 @pytest.mark.parametrize("key", [0, 12345, (1 << 64) - 1])
 def test_draws_equal_the_python_reference_bit_for_bit(key, rng):
-    start = int(rng.integers(0, 1 << 40))
+    start = int(rng.integers(0, 1 << 57))
     out = np.empty((3, 1500))
     sumsq = fastls.normal_rows(out, key, start)
     expected = [reference_normal(key, start + i) for i in range(out.size)]
@@ -117,7 +128,7 @@ def test_a_stream_filled_in_pieces_is_the_same_stream():
     (np.empty((1, 2)), 1 << 64, 0, "key must be an integer"),
     (np.empty((1, 2)), 1.5, 0, "key must be an integer"),
     (np.empty((1, 2)), 1, True, "start must be an integer"),
-    (np.empty((1, 4)), 1, (1 << 64) - 2, "run past the stream's 2\\*\\*64 draws"),
+    (np.empty((1, 4)), 1, (1 << 58) - 2, "run past the stream's 2\\*\\*58 draws"),
 ])
 def test_bad_arguments_are_refused_and_out_is_untouched(out, key, start, match):
     before = np.array(out, copy=True)
@@ -131,3 +142,13 @@ def test_a_read_only_out_is_refused():
     out.flags.writeable = False
     with pytest.raises(ValueError, match="writeable"):
         fastls.normal_rows(out, 1, 0)
+
+
+def test_a_key_one_increment_further_is_not_the_same_stream_shifted():
+    # With one increment for all keys, key + gamma would replay key's stream one draw later.
+    key = 424242
+    base, shifted = np.empty((1, 1000)), np.empty((1, 1000))
+    fastls.normal_rows(base, key, 1)
+    fastls.normal_rows(shifted, (key + gamma(key)) & MASK, 0)
+    assert not np.array_equal(base, shifted)
+    assert abs(np.corrcoef(base[0], shifted[0])[0, 1]) < 0.15

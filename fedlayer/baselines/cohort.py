@@ -118,8 +118,9 @@ class ClientCohort:
         return self._pending.pop(client.client_id)
 
     def _run(self, algorithm, params, round_index, hyper):
-        self._pending = {}
+        self._round, self._pending = None, {}  # nothing cached until the whole round has run
         w = np.array(params, dtype=np.float64)
+        pending = {}
         step = getattr(self, f"_{algorithm}")
 
         def train(bounds):
@@ -136,11 +137,12 @@ class ClientCohort:
                     client.params = W[i]
                     if theta is not None:
                         client.theta = theta[i]
-                    self._pending[client.client_id] = {"params": W[i], "n": client.data.n_train}
+                    pending[client.client_id] = {"params": W[i], "n": client.data.n_train}
         share = (time.perf_counter() - start) / len(self.members)
-        for result in self._pending.values():
+        for result in pending.values():
             result["compute_s"] = share
             result["engine"] = "batched"
+        self._pending = pending
 
     def _chunks(self, algorithm, hyper):
         """(lo, hi) slices of the members whose per-step arrays fit ``chunk_bytes``.
@@ -151,7 +153,8 @@ class ClientCohort:
         per_client = self.model.n_params * 8 * 6  # W, theta, the gradient and NumPy's temporaries
         # At least one chunk per thread.
         size = max(1, min(self.chunk_bytes // per_client, -(-len(self.members) // self.cores)))
-        batch = hyper.get("b1" if algorithm == "fedzo" else "batch_size")
+        # The local updates' own default (20) where the caller leaves the batch size to them.
+        batch = hyper.get("b1" if algorithm == "fedzo" else "batch_size", 20)
         rows = [min(int(batch), c.data.n_train) if algorithm not in ("fedavg", "baffle") else 0
                 for c in self.members]
         chunks = []

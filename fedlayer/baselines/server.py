@@ -11,9 +11,12 @@ from ..timing import Clock, RoundLog, payload_bytes
 from ..transport import overall_accuracy
 from .hyper import BASELINES
 
-__all__ = ["PERSONALIZED", "Diverged", "load_baseline_checkpoint", "run_baseline", "save_baseline_checkpoint"]
+__all__ = ["DIVERGED_SIZE", "PERSONALIZED", "Diverged", "load_baseline_checkpoint", "run_baseline",
+           "save_baseline_checkpoint"]
 
 _FORMAT = "fedlayer-baseline-checkpoint-1"
+#: Fingerprint keys newer than the format (a checkpoint without one was written before it was checked).
+_ADDED_KEYS = ("eval_every",)
 
 
 def save_baseline_checkpoint(path, *, fingerprint, params, rounds, best_accuracy):
@@ -35,12 +38,21 @@ def load_baseline_checkpoint(path, fingerprint):
     Returns dict with "params", "rounds" (the records so far) and "best_accuracy".
     """
     state, arrays = read_state(path, _FORMAT)
-    check_fingerprint(path, state["fingerprint"], fingerprint)
+    # Keys added to the fingerprint after checkpoints of this format were written match any value.
+    saved = {**{key: fingerprint[key] for key in _ADDED_KEYS if key in fingerprint}, **state["fingerprint"]}
+    check_fingerprint(path, saved, fingerprint)
     return {"params": arrays["params"], "rounds": state["rounds"], "best_accuracy": state["best_accuracy"]}
 
 
 class Diverged(RuntimeError):
-    """The global parameters of a baseline became NaN or infinite: its step sizes are too large."""
+    """The global parameters of a baseline ran away (NaN, Inf or beyond :data:`DIVERGED_SIZE`): its steps are too large."""
+
+
+#: A parameter this large in absolute value means the run has diverged, finite or not (pFedMe with
+#: personal_lr * lamda > 2 grows geometrically for hundreds of rounds before it overflows).
+DIVERGED_SIZE = 1e30
+#: The hyperparameters that set a step's size, named when a run diverges.
+STEP_SIZES = ("lr", "personal_lr", "lamda", "beta", "mu", "sigma")
 
 #: Baselines whose accuracy is that of each client's personalized model theta.
 PERSONALIZED = ("pfedme", "pfedzo")
@@ -78,7 +90,8 @@ def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, p
 
     Returns
     -------
-    dict with "rounds" (:class:`fedlayer.timing.RoundLog` records), "accuracy"
+    dict with "rounds" (:class:`fedlayer.timing.RoundLog` records, each with its
+    "wall_s": the round's wall time, evaluation included), "accuracy"
     (of the last round), "best_accuracy" (best evaluated round) and "params"
     (final global parameters).
 
@@ -101,8 +114,14 @@ def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, p
     if resume is not None:
         init_params, records, best = resume["params"], list(resume["rounds"]), resume["best_accuracy"]
         if len(records) > int(rounds):
-            raise ValueError(f"the checkpoint holds {len(records)} rounds of {algorithm}, more than the {rounds} "
-                             f"asked for: ask for at least {len(records)} rounds")
+            raise ValueError(f"the checkpoint {checkpoint} holds {len(records)} rounds of {algorithm}, more than "
+                             f"the {rounds} asked for: ask for at least {len(records)} rounds, or remove it to "
+                             f"start over")
+        if len(records) < int(rounds) and len(records) % int(eval_every) and records[-1]["accuracy"] is not None:
+            # The earlier run's last round was scored because it was last; going on, it is off the schedule.
+            records[-1] = {**records[-1], "accuracy": None}
+            scored = [record["accuracy"] for record in records if record["accuracy"] is not None]
+            best = max(scored) if scored else None
     elif init_params is None:
         (_, first), = transport.call("initial_params", {cids[0]: {}})
         init_params = first["params"]
@@ -110,6 +129,7 @@ def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, p
     saved = len(records)  # the round the checkpoint on disk holds (0: none)
 
     for r in range(len(records), int(rounds)):
+        round_start = time.perf_counter()
         log = RoundLog("federated", None, clock)
         args = {cid: {"algorithm": algorithm, "params": w, "round_index": r, **hyper} for cid in cids}
         total_n = 0
@@ -128,19 +148,21 @@ def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, p
         mean = acc_sum / total_n
         w = (1.0 - beta) * w + beta * mean if personalized else mean
         log.server_s = time.perf_counter() - start
-        if not np.isfinite(w).all():
+        largest = float(np.max(np.abs(w))) if w.size else 0.0
+        if not largest <= DIVERGED_SIZE:  # NaN compares false too
             # Scored, a NaN model predicts one class everywhere: a number that looks like a result.
-            steps = {k: v for k, v in hyper.items() if k in ("lr", "personal_lr", "mu", "sigma")}
+            steps = {k: v for k, v in {**hyper, "beta": beta}.items() if k in STEP_SIZES}
             kept = f"; {checkpoint} holds the state after round {saved}" if saved else ""
-            raise Diverged(f"{algorithm} diverged in round {r + 1}: its global parameters hold NaN or Inf "
-                           f"({steps}); lower the step sizes (--hyper){kept}")
+            what = "hold NaN or Inf" if not np.isfinite(largest) else f"reach {largest:.3g} in absolute value"
+            raise Diverged(f"{algorithm} diverged in round {r + 1}: its global parameters {what} ({steps}); "
+                           f"lower the step sizes (--hyper){kept}")
         accuracy = None
         if (r + 1) % int(eval_every) == 0 or r + 1 == int(rounds):
             # Personalized baselines score each client's own theta; the others the global w.
             args = {cid: ({} if personalized else {"params": w}) for cid in cids}
             accuracy = overall_accuracy(transport, args)
             best = accuracy if best is None or accuracy > best else best
-        records.append(log.record(accuracy))
+        records.append({**log.record(accuracy), "wall_s": time.perf_counter() - round_start})
         if checkpoint is not None and ((r + 1) % int(checkpoint_every) == 0 or r + 1 == int(rounds)):
             save_baseline_checkpoint(checkpoint, fingerprint=fingerprint, params=w, rounds=records,
                                      best_accuracy=best)
