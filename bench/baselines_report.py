@@ -54,6 +54,7 @@ def main(argv=None):
     parser.add_argument("--subset", type=int, default=10, help="clients the per-client engine runs (scaled to all)")
     parser.add_argument("--rounds", type=int, default=3, help="batched rounds per algorithm (median)")
     parser.add_argument("--cores", type=int, default=fastls.available_cores())
+    parser.add_argument("--out", default=None, help="also write the table, with the command, to this markdown file")
     args = parser.parse_args(argv)
 
     rate = gemm_rate()
@@ -77,6 +78,12 @@ def main(argv=None):
                      f"{flops / 1e9:.0f} | {floor:.2f} | {batched / floor:.1f}x | {draws(algorithm, sizes):.2e} |")
         print(lines[-1], flush=True)
     print("\n".join(lines))
+    if args.out:
+        command = "python bench/baselines_report.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        header = (f"# Baseline rounds on MNIST-DNN: per-client and batched engines\n\nCommand: `{command.strip()}`. "
+                  f"dgemm 2000^3 on {args.cores} cores: {rate / 1e9:.1f} GFLOP/s (the floor's rate); {len(sizes)} "
+                  f"clients, {sum(sizes)} rows; the per-client engine ran {len(subset)} of them, scaled by flops.\n\n")
+        Path(args.out).write_text(header + "\n".join(lines) + "\n")
     return 0
 
 

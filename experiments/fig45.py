@@ -93,6 +93,90 @@ def accuracy_curve(results):
     return [(int(k), r["accuracy"]) for k, r in results["rounds"].items() if r["accuracy"] is not None]
 
 
+def render(by_seed, args, rounds, paper_rounds):
+    """The report's markdown lines from every seed's runs (``rounds``: the baselines' timed rounds)."""
+    def total(runs, algorithm, extrapolate=True):
+        results = runs[algorithm]
+        scale = paper_rounds / len(results["rounds"]) if algorithm in BASELINE and extrapolate else 1.0
+        return {k: v * scale for k, v in results["time_per_client"].items()}
+
+    def over_seeds(values, digits=2):
+        """Mean, and each seed's value when there are several."""
+        mean = float(np.mean(values))
+        if len(values) == 1:
+            return f"{mean:.{digits}f}"
+        return f"{mean:.{digits}f} ({' / '.join(f'{v:.{digits}f}' for v in values)})"
+
+    seeds = list(by_seed)
+    algorithms = list(by_seed[seeds[0]])
+    seed_text = " ".join(map(str, seeds))
+    lines = [
+        f"# Fig. 4/5 on {args.dataset}-DNN",
+        "",
+        f"Command: `python experiments/fig45.py --dataset {args.dataset} --seeds {seed_text}"
+        + (f" --budget {' '.join(args.budget)}" if args.budget else "")
+        + (f" --algorithms {' '.join(args.algorithms)}" if args.algorithms != ANALYTIC + BASELINE else "")
+        + f" --forward {args.forward}" + (f" --tag {args.tag}" if args.tag else "") + f"` on "
+        f"{platform.machine()}, {fastls.available_cores()} cores (clients run one at a time, each under its own "
+        f"core limit of 1-{fastls.available_cores()}), 100 clients, simulated 100 Gbit/s links."
+        + (" Baselines timed over: " + ", ".join(f"{a} {rounds[a]}" for a in BASELINE if a in algorithms)
+           + f" rounds (paper: {paper_rounds}); hyperparameters in `fedlayer/baselines/hyper.py`."
+           if set(BASELINE) & set(algorithms) else "")
+        + (f" Mean over seeds {', '.join(map(str, seeds))}, then each seed's value in brackets." if len(seeds) > 1
+           else "")
+        + (" Accuracy of the baselines: the batched engine over the paper's budget; their times: the per-client "
+           "engine over the rounds run." if set(BASELINE) & set(algorithms) else ""),
+        "",
+        "| algorithm | rounds timed | final acc (%) | time/client, measured (s) | compute | idle | comm "
+        f"| time/client at {paper_rounds} rounds (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for algorithm in algorithms:
+        per_seed = [by_seed[s_][algorithm] for s_ in seeds]
+        measured = [total(by_seed[s_], algorithm, False) for s_ in seeds]
+        full = [total(by_seed[s_], algorithm)["total_s"] for s_ in seeds]
+        lines.append(
+            f"| {algorithm} | {len(per_seed[0]['rounds'])} | {over_seeds([100 * final_accuracy(r) for r in per_seed])} | "
+            f"{over_seeds([t['total_s'] for t in measured])} | {over_seeds([t['compute_s'] for t in measured])} | "
+            f"{over_seeds([t['idle_s'] for t in measured], 3)} | {over_seeds([t['comm_s'] for t in measured], 4)} | "
+            f"{over_seeds(full, 1)} |")
+    claims = PAPER_CLAIMS[args.dataset]
+    lines += ["", "| FedACnnL reduces | measured here | paper |", "|---|---|---|"]
+    if "fedacnnl" in algorithms:
+        for baseline in BASELINE:
+            if baseline in algorithms:
+                cut = [100 * (1 - total(by_seed[s_], "fedacnnl")["total_s"] / total(by_seed[s_], baseline)["total_s"])
+                       for s_ in seeds]
+                lines.append(f"| total time of {baseline} (at {paper_rounds} rounds) | {over_seeds(cut, 1)}% | "
+                             f"{claims[baseline]}% |")
+        if "fedacnnl-wa" in algorithms:
+            ratio = [total(by_seed[s_], "fedacnnl")["idle_s"] / total(by_seed[s_], "fedacnnl-wa")["idle_s"]
+                     for s_ in seeds]
+            lines.append(f"| idle time of fedacnnl-wa | {over_seeds([100 * (1 - r) for r in ratio], 1)}% | "
+                         f"{claims['idle_vs_wa']}% |")
+            lines += ["", f"Idle time of FedACnnL / FedACnnL-WA: {over_seeds(ratio, 2)} "
+                          f"(paper: {1 - claims['idle_vs_wa'] / 100:.2f})."]
+            if len(seeds) > 1:
+                # Fig. 5 compares averaged bars: the ratio of the seeds' mean idle times, which a
+                # seed with little idle time in both cannot swing the way it swings a ratio.
+                means = [float(np.mean([total(by_seed[s_], a)["idle_s"] for s_ in seeds]))
+                         for a in ("fedacnnl", "fedacnnl-wa")]
+                lines += ["", f"Ratio of the mean idle times over the {len(seeds)} seeds (Fig. 5's averaged bars): "
+                              f"{means[0] / means[1]:.2f}."]
+            lines += ["", "Where the idle time goes: mean idle seconds per client in each round (eq. 7 sets the "
+                          "batch sizes from round 2 on; round 1 runs B_1 = 64 in both), mean over seeds:", "",
+                      "| round | " + " | ".join(["fedacnnl", "fedacnnl-wa", "ratio"]) + " |", "|---|---|---|---|"]
+            n_rounds = len(by_seed[seeds[0]]["fedacnnl"]["rounds"])
+            per_round = {a: [[float(np.mean([c["idle_s"] for c in by_seed[s_][a]["rounds"][str(k)]["clients"]
+                                             .values()])) for k in range(1, n_rounds + 1)] for s_ in seeds]
+                         for a in ("fedacnnl", "fedacnnl-wa")}
+            for k in range(n_rounds):
+                idle = {a: float(np.mean([rounds_[k] for rounds_ in per_round[a]])) for a in per_round}
+                lines.append(f"| {k + 1} | {idle['fedacnnl']:.4f} | {idle['fedacnnl-wa']:.4f} | "
+                             f"{idle['fedacnnl'] / idle['fedacnnl-wa']:.2f} |")
+            lines += ["", *round_one_bound(per_round["fedacnnl"], per_round["fedacnnl-wa"], over_seeds)]
+    return lines
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", choices=sorted(PAPER_ROUNDS), default="mnist")
@@ -152,87 +236,7 @@ def main():
         for checkpoint in finished:  # the seed's results are on disk now
             Path(checkpoint).unlink(missing_ok=True)
 
-    def total(runs, algorithm, extrapolate=True):
-        results = runs[algorithm]
-        scale = paper_rounds / len(results["rounds"]) if algorithm in BASELINE and extrapolate else 1.0
-        return {k: v * scale for k, v in results["time_per_client"].items()}
-
-    def over_seeds(values, digits=2):
-        """Mean, and each seed's value when there are several."""
-        mean = float(np.mean(values))
-        if len(values) == 1:
-            return f"{mean:.{digits}f}"
-        return f"{mean:.{digits}f} ({' / '.join(f'{v:.{digits}f}' for v in values)})"
-
-    seeds = list(by_seed)
-    algorithms = list(by_seed[seeds[0]])
-    seed_text = " ".join(map(str, seeds))
-    lines = [
-        f"# Fig. 4/5 on {args.dataset}-DNN",
-        "",
-        f"Command: `python experiments/fig45.py --dataset {args.dataset} --seeds {seed_text}"
-        + (f" --budget {' '.join(args.budget)}" if args.budget else "")
-        + (f" --algorithms {' '.join(args.algorithms)}" if args.algorithms != ANALYTIC + BASELINE else "")
-        + f" --forward {args.forward}" + (f" --tag {args.tag}" if args.tag else "") + f"` on "
-        f"{platform.machine()}, {fastls.available_cores()} cores (clients run one at a time, each under its own "
-        f"core limit of 1-{fastls.available_cores()}), 100 clients, simulated 100 Gbit/s links."
-        + (" Baselines timed over: " + ", ".join(f"{a} {rounds[a]}" for a in BASELINE if a in algorithms)
-           + f" rounds (paper: {paper_rounds}); hyperparameters in `fedlayer/baselines/hyper.py`."
-           if set(BASELINE) & set(algorithms) else "")
-        + (f" Mean over seeds {', '.join(map(str, seeds))}, then each seed's value in brackets." if len(seeds) > 1
-           else ""),
-        "",
-        + (" Accuracy of the baselines: the batched engine over the paper's budget; their times: the per-client "
-           "engine over the rounds run." if set(BASELINE) & set(algorithms) else ""),
-        "",
-        "| algorithm | rounds timed | final acc (%) | time/client, measured (s) | compute | idle | comm "
-        f"| time/client at {paper_rounds} rounds (s) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for algorithm in algorithms:
-        per_seed = [by_seed[s_][algorithm] for s_ in seeds]
-        measured = [total(by_seed[s_], algorithm, False) for s_ in seeds]
-        full = [total(by_seed[s_], algorithm)["total_s"] for s_ in seeds]
-        lines.append(
-            f"| {algorithm} | {len(per_seed[0]['rounds'])} | {over_seeds([100 * final_accuracy(r) for r in per_seed])} | "
-            f"{over_seeds([t['total_s'] for t in measured])} | {over_seeds([t['compute_s'] for t in measured])} | "
-            f"{over_seeds([t['idle_s'] for t in measured], 3)} | {over_seeds([t['comm_s'] for t in measured], 4)} | "
-            f"{over_seeds(full, 1)} |")
-    claims = PAPER_CLAIMS[args.dataset]
-    lines += ["", "| FedACnnL reduces | measured here | paper |", "|---|---|---|"]
-    if "fedacnnl" in algorithms:
-        for baseline in BASELINE:
-            if baseline in algorithms:
-                cut = [100 * (1 - total(by_seed[s_], "fedacnnl")["total_s"] / total(by_seed[s_], baseline)["total_s"])
-                       for s_ in seeds]
-                lines.append(f"| total time of {baseline} (at {paper_rounds} rounds) | {over_seeds(cut, 1)}% | "
-                             f"{claims[baseline]}% |")
-        if "fedacnnl-wa" in algorithms:
-            ratio = [total(by_seed[s_], "fedacnnl")["idle_s"] / total(by_seed[s_], "fedacnnl-wa")["idle_s"]
-                     for s_ in seeds]
-            lines.append(f"| idle time of fedacnnl-wa | {over_seeds([100 * (1 - r) for r in ratio], 1)}% | "
-                         f"{claims['idle_vs_wa']}% |")
-            lines += ["", f"Idle time of FedACnnL / FedACnnL-WA: {over_seeds(ratio, 2)} "
-                          f"(paper: {1 - claims['idle_vs_wa'] / 100:.2f})."]
-            if len(seeds) > 1:
-                # Fig. 5 compares averaged bars: the ratio of the seeds' mean idle times, which a
-                # seed with little idle time in both cannot swing the way it swings a ratio.
-                means = [float(np.mean([total(by_seed[s_], a)["idle_s"] for s_ in seeds]))
-                         for a in ("fedacnnl", "fedacnnl-wa")]
-                lines += ["", f"Ratio of the mean idle times over the {len(seeds)} seeds (Fig. 5's averaged bars): "
-                              f"{means[0] / means[1]:.2f}."]
-            lines += ["", "Where the idle time goes: mean idle seconds per client in each round (eq. 7 sets the "
-                          "batch sizes from round 2 on; round 1 runs B_1 = 64 in both), mean over seeds:", "",
-                      "| round | " + " | ".join(["fedacnnl", "fedacnnl-wa", "ratio"]) + " |", "|---|---|---|---|"]
-            n_rounds = len(by_seed[seeds[0]]["fedacnnl"]["rounds"])
-            per_round = {a: [[float(np.mean([c["idle_s"] for c in by_seed[s_][a]["rounds"][str(k)]["clients"]
-                                             .values()])) for k in range(1, n_rounds + 1)] for s_ in seeds]
-                         for a in ("fedacnnl", "fedacnnl-wa")}
-            for k in range(n_rounds):
-                idle = {a: float(np.mean([rounds_[k] for rounds_ in per_round[a]])) for a in per_round}
-                lines.append(f"| {k + 1} | {idle['fedacnnl']:.4f} | {idle['fedacnnl-wa']:.4f} | "
-                             f"{idle['fedacnnl'] / idle['fedacnnl-wa']:.2f} |")
-            lines += ["", *round_one_bound(per_round["fedacnnl"], per_round["fedacnnl-wa"], over_seeds)]
+    lines = render(by_seed, args, rounds, paper_rounds)
     (out / f"fig45_{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     _plots(by_seed, out, args.dataset, name)

@@ -35,3 +35,31 @@ def test_baselines_report_the_batched_runs_accuracy_and_curve():
     timed["accuracy_run"] = {"engine": "batched", "rounds": 600, "accuracy": 0.8, "curve": [[6, 0.6], [600, 0.8]]}
     assert fig45.final_accuracy(timed) == 0.8
     assert fig45.accuracy_curve(timed) == [(6, 0.6), (600, 0.8)]
+
+
+def _fake_run(accuracy, compute, idle, n_rounds=2, accuracy_run=None):
+    clients = {"0": {"compute_s": compute, "idle_s": idle, "comm_s": 0.001},
+               "1": {"compute_s": compute, "idle_s": 0.0, "comm_s": 0.001}}
+    results = {"accuracy": accuracy,
+               "rounds": {str(k): {"accuracy": accuracy, "clients": clients} for k in range(1, n_rounds + 1)},
+               "time_per_client": {"compute_s": compute * n_rounds, "idle_s": idle * n_rounds / 2,
+                                   "comm_s": 0.002 * n_rounds, "total_s": (compute + idle / 2 + 0.002) * n_rounds}}
+    if accuracy_run:
+        results["accuracy_run"] = accuracy_run
+    return results
+
+
+def test_the_report_names_the_batched_accuracy_and_the_timed_rounds():
+    import argparse
+
+    args = argparse.Namespace(dataset="synthetic", budget=["2"], algorithms=["fedacnnl", "fedacnnl-wa", "fedavg"],
+                              forward="batch", tag="")
+    batched = {"engine": "batched", "rounds": 600, "accuracy": 0.81, "curve": [[6, 0.7], [600, 0.81]]}
+    by_seed = {0: {"fedacnnl": _fake_run(0.86, 0.01, 0.002), "fedacnnl-wa": _fake_run(0.86, 0.01, 0.004),
+                   "fedavg": _fake_run(0.75, 0.5, 0.1, accuracy_run=batched)}}
+    text = "\n".join(fig45.render(by_seed, args, {"fedavg": 2, "fedzo": 600, "baffle": 600}, 600))
+    assert "Baselines timed over: fedavg 2 rounds (paper: 600)" in text
+    assert "Accuracy of the baselines: the batched engine over the paper's budget" in text
+    assert "| fedavg | 2 | 81.00 |" in text  # the batched run's accuracy after 600 rounds, not the timed 75 %
+    assert "| fedacnnl | 2 | 86.00 |" in text
+    assert "| total time of fedavg (at 600 rounds) |" in text
