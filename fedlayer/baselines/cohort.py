@@ -20,10 +20,12 @@ How a round is batched
   a client's products and sums are those of the per-client engine, shape
   for shape, which the zeroth-order estimates need: they amplify a loss's
   last bit (d / (b2 mu) times a difference of two nearby losses).
-* Zeroth-order estimates evaluate all directions of all clients in one
-  stacked forward pass, ``W[:, None] + mu V`` of shape (C, b2, P).
-* Each client draws from its own generator (:meth:`BaselineClient.rng`) in
-  the per-client engine's order.
+* Zeroth-order estimates evaluate a block of directions of all clients in
+  one stacked forward pass (:func:`fedlayer.baselines.estimators.directional_estimate`,
+  blocks of ``BLOCK_BYTES``), the first layer as ``x W_1 + s (x U_1)``.
+* Each client draws its minibatches from its own generator
+  (:meth:`BaselineClient.rng`) and its directions from its own stream
+  (:meth:`BaselineClient.directions`), in the per-client engine's order.
 * Clients are processed in chunks that keep the stacked arrays of one step
   within ``chunk_bytes``, on ``cores`` threads, one chunk per thread at a
   time, each BLAS call on one thread (NumPy releases the GIL in its
@@ -64,6 +66,7 @@ def _runs(values):
             lo = i
     return runs
 
+
 #: Stacked arrays of one local step a chunk of clients may hold (bytes); see :meth:`ClientCohort._chunks`.
 CHUNK_BYTES = 16 << 20
 #: Directions of a chunk drawn and evaluated at a time (bytes): a block is read back from cache.
@@ -79,8 +82,8 @@ class ClientCohort:
         Same model on every client. Each is joined to this cohort (its
         ``local_train`` then runs here).
     cores : int or None
-        Cores of the cohort's products and of its draw threads (default:
-        the most any member has).
+        Threads the chunks of clients run on, each with one BLAS thread
+        (default: the most cores any member has).
     chunk_bytes : int
         Memory the stacked arrays of one step may take; the clients are
         processed in chunks that fit.
