@@ -26,7 +26,8 @@ from scipy.linalg import blas
 import fastls
 
 sys.path.insert(0, str(Path(__file__).parent))
-from baseline_cases import ALGORITHMS, client_sizes, draws, hyper_of, make_clients, round_flops, round_runner  # noqa: E402
+from baseline_cases import (  # noqa: E402
+    ALGORITHMS, client_sizes, draws, hyper_of, make_clients, round_flops, round_runner)
 
 
 def gemm_rate(n=2000, repeats=3):

@@ -136,7 +136,8 @@ def render(by_seed, args, rounds, paper_rounds):
         measured = [total(by_seed[s_], algorithm, False) for s_ in seeds]
         full = [total(by_seed[s_], algorithm)["total_s"] for s_ in seeds]
         lines.append(
-            f"| {algorithm} | {len(per_seed[0]['rounds'])} | {over_seeds([100 * final_accuracy(r) for r in per_seed])} | "
+            f"| {algorithm} | {len(per_seed[0]['rounds'])} | "
+            f"{over_seeds([100 * final_accuracy(r) for r in per_seed])} | "
             f"{over_seeds([t['total_s'] for t in measured])} | {over_seeds([t['compute_s'] for t in measured])} | "
             f"{over_seeds([t['idle_s'] for t in measured], 3)} | {over_seeds([t['comm_s'] for t in measured], 4)} | "
             f"{over_seeds(full, 1)} |")

@@ -280,7 +280,8 @@ def main(argv=None):
     parser.add_argument("--checkpoints", default="experiments/checkpoints",
                         help="folder of the baselines' checkpoints (every 10 rounds), to resume interrupted cells")
     parser.add_argument("--eval-every", type=_positive, default=10,
-                        help="baselines: evaluate at most every N rounds (every round of budgets under 100) and the last")
+                        help="baselines: evaluate at most every N rounds (every round of budgets under 100) "
+                             "and the last")
     args = parser.parse_args(argv)
     use_shared_data()  # the checkout's ../shared/data unless FEDLAYER_DATA_DIR says otherwise
     args.algorithms = list(dict.fromkeys(args.algorithms + args.baselines))

@@ -82,7 +82,7 @@ class BaselineModel:
         return np.matmul(a, b)
 
     def _forward(self, params, x):
-        """Activations of every layer; ``params`` (..., P) with ``x`` (..., B, n_features) (or (B, ...) for one vector)."""
+        """Activations of every layer: ``params`` (..., P) with ``x`` (..., B, n_features), or (P,) with (B, ...)."""
         views = self.unpack(params)
         acts = [self._input(x) if np.ndim(params) == 1 else np.asarray(x, dtype=np.float64)]
         n_layers = len(views) // 2

@@ -45,7 +45,7 @@ def load_baseline_checkpoint(path, fingerprint):
 
 
 class Diverged(RuntimeError):
-    """The global parameters of a baseline ran away (NaN, Inf or beyond :data:`DIVERGED_SIZE`): its steps are too large."""
+    """A baseline's global parameters ran away (NaN, Inf or past :data:`DIVERGED_SIZE`): its steps are too large."""
 
 
 #: A parameter this large in absolute value means the run has diverged, finite or not (pFedMe with
