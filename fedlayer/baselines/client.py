@@ -1,7 +1,7 @@
 """A client of the baselines: local SGD, zeroth-order or Moreau-envelope updates of one round.
 
-This is the per-client engine: each client trains alone, one minibatch and
-one direction at a time, under its own clock (the compute times of Fig. 5).
+This is the per-client engine: each client trains alone, one minibatch at a
+time, under its own clock (the compute times of Fig. 5).
 :class:`fedlayer.baselines.cohort.ClientCohort` is the batched engine; both
 draw minibatches from :meth:`BaselineClient.rng` and directions from
 :meth:`BaselineClient.directions` in the same order, and step with the
@@ -71,7 +71,7 @@ class BaselineClient:
         self.model = make_baseline_model(model_name, data.x_train.shape[1:], n_classes)
         self.params = None  # last local parameters (w)
         self.theta = None   # personalized model (pFedMe / pFedZO)
-        self.cohort = None  # the batched engine this client's rounds run in (ClientCohort.join), or None
+        self.cohort = None  # the batched engine (ClientCohort) this client's rounds run in, or None
         fastls.blas_info()  # build threadpoolctl's controller outside the timed rounds
 
     # -- helpers --------------------------------------------------------------
