@@ -30,7 +30,9 @@ def test_curve_trend_compares_halves_of_the_budget():
 def test_split_runs_merge_into_one_table(tmp_path):
     """Two short runs on disjoint cells, merged: every cell and both commands appear, nothing runs twice."""
     first, second = tmp_path / "a.json", tmp_path / "b.json"
-    common = ["--seeds", "1", "--settings", "synthetic-lr", "--cores", "1", "--out", str(tmp_path / "t.md")]
+    # The baselines' checkpoints in tmp_path: experiments/checkpoints holds the real runs' cells in progress.
+    common = ["--seeds", "1", "--settings", "synthetic-lr", "--cores", "1", "--out", str(tmp_path / "t.md"),
+              "--checkpoints", str(tmp_path / "checkpoints")]
     assert table2.main([*common, "--algorithms", "fedacnnl", "--json", str(first)]) == 0
     assert table2.main([*common, "--algorithms", "pfedme", "--baseline-rounds", "2", "--json", str(second)]) == 0
     assert table2.main([*common, "--algorithms", "fedacnnl", "pfedme", "--merge", str(first), str(second),
