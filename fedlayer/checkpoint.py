@@ -89,6 +89,11 @@ def write_state(path, state, arrays, compress=False):
         raise
 
 
+def _start_over(path):
+    """How to get past a checkpoint that cannot be resumed from (the end of every refusal's message)."""
+    return f"remove {path} to start over (or run without --resume, which overwrites it)"
+
+
 def check_fingerprint(path, saved, fingerprint):
     """Refuse to resume from ``path`` unless the ``saved`` settings equal this run's ``fingerprint``.
 
@@ -99,7 +104,7 @@ def check_fingerprint(path, saved, fingerprint):
         diff = {k: (saved.get(k), fingerprint.get(k)) for k in {**saved, **fingerprint}
                 if saved.get(k) != fingerprint.get(k)}
         raise ValueError(f"checkpoint {path} was written by another configuration: (saved, now) = {diff}; "
-                         f"remove {path} to start over (or run without --resume, which overwrites it)")
+                         f"{_start_over(path)}")
 
 
 def read_state(path, expected_format):
@@ -111,7 +116,7 @@ def read_state(path, expected_format):
         If the file is empty, truncated, damaged, not a fedlayer checkpoint
         or of another format; the message says how to start over.
     """
-    start_over = f"remove {path} to start over (or run without --resume, which overwrites it)"
+    start_over = _start_over(path)
     try:
         data = np.load(path, allow_pickle=False)
         if not isinstance(data, np.lib.npyio.NpzFile):

@@ -279,15 +279,12 @@ def _resume_hint(config):
 
     checkpoint = config.checkpoint_path()
     baseline = isinstance(ALGORITHMS[config.algorithm], BaselineAlgorithm)
-    if baseline and checkpoint is not None and checkpoint.exists():
-        return f"the rounds trained so far are in {checkpoint}: run the same command with --resume to go on"
-    if baseline:
-        return (f"no checkpoint had been written yet (every {config.checkpoint_every} rounds)" if checkpoint
-                else "no checkpoint was kept (give --output or --checkpoint to be able to --resume)")
     if checkpoint is not None and checkpoint.exists():
-        return f"the layers trained so far are in {checkpoint}: run the same command with --resume to go on"
+        return (f"the {'rounds' if baseline else 'layers'} trained so far are in {checkpoint}: run the same "
+                "command with --resume to go on")
     if checkpoint is not None:
-        return f"no layer had finished, so {checkpoint} was not written yet"
+        return (f"no checkpoint had been written yet (every {config.checkpoint_every} rounds)" if baseline
+                else f"no layer had finished, so {checkpoint} was not written yet")
     return "no checkpoint was kept (give --output or --checkpoint to be able to --resume)"
 
 
