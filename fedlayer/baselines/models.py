@@ -104,21 +104,29 @@ class BaselineModel:
 
     def loss(self, params, x, y):
         """Mean cross-entropy of the softmax outputs on (x, y)."""
-        y = np.asarray(y)
-        logp = self._log_softmax(self.logits(params, x))
-        return float(-logp[np.arange(len(y)), y].mean())
+        return float(self._mean_nll(self._log_softmax(self.logits(params, x)), np.asarray(y)))
 
     def loss_and_grad(self, params, x, y):
         """(loss, flat gradient) by exact backpropagation."""
         y = np.asarray(y)
-        n = len(y)
         acts = self._forward(params, x)
         logp = self._log_softmax(acts[-1])
-        loss = float(-logp[np.arange(n), y].mean())
+        return float(self._mean_nll(logp, y)), self._backward(params, acts, self._output_error(logp, y))
+
+    @staticmethod
+    def _mean_nll(logp, y):
+        """Mean cross-entropy over the rows (axis -2) of ``logp`` (..., m, classes), log-probabilities; y (..., m)."""
+        index = np.broadcast_to(y[..., None], logp.shape[:-1] + (1,))
+        return -np.take_along_axis(logp, index, axis=-1)[..., 0].mean(axis=-1)
+
+    @staticmethod
+    def _output_error(logp, y):
+        """d(mean cross-entropy)/d(logits) = (softmax - one-hot) / m, for ``logp`` (..., m, classes)."""
         delta = np.exp(logp)
-        delta[np.arange(n), y] -= 1.0
-        delta /= n
-        return loss, self._backward(params, acts, delta)
+        index = y[..., None]
+        np.put_along_axis(delta, index, np.take_along_axis(delta, index, axis=-1) - 1.0, axis=-1)
+        delta /= logp.shape[-2]
+        return delta
 
     def _backward(self, params, acts, delta, out=None):
         """Flat gradient(s) from the activations and the output error ``delta`` (dLoss/dlogits), into ``out``."""
@@ -140,12 +148,6 @@ class BaselineModel:
         return self.loss_and_grad(params, x, y)[1]
 
     # -- stacked clients (the batched engine) --------------------------------
-    def _mean_nll(self, logits, y):
-        """Mean cross-entropy over the rows (axis -2) of ``logits`` (..., m, classes) with labels y (..., m)."""
-        logp = self._log_softmax(logits)
-        index = np.broadcast_to(y[..., None], logp.shape[:-1] + (1,))
-        return -np.take_along_axis(logp, index, axis=-1)[..., 0].mean(axis=-1)
-
     def directional_losses(self, W, x, y):
         """Each client's loss at its parameters, and its losses along directions from there.
 
@@ -173,7 +175,7 @@ class BaselineModel:
         z = base + views[1][:, None, :]
         for l in range(1, n_layers):
             z = np.matmul(np.maximum(z, 0.0), views[2 * l]) + views[2 * l + 1][:, None, :]
-        f0 = self._mean_nll(z, y)
+        f0 = self._mean_nll(self._log_softmax(z), y)
 
         def losses(U, scales):
             directions = self.unpack(U)
@@ -184,7 +186,7 @@ class BaselineModel:
                 weights = views[2 * l][:, None] + s * directions[2 * l]
                 bias = views[2 * l + 1][:, None] + scales[..., None] * directions[2 * l + 1]
                 z = np.matmul(np.maximum(z, 0.0), weights) + bias[..., None, :]
-            return self._mean_nll(z, y[:, None])
+            return self._mean_nll(self._log_softmax(z), y[:, None])
 
         return f0, losses
 
@@ -195,11 +197,7 @@ class BaselineModel:
         spares the page faults of a fresh one at every step).
         """
         acts = self._forward(params, x)
-        delta = np.exp(self._log_softmax(acts[-1]))
-        index = y[..., None]
-        np.put_along_axis(delta, index, np.take_along_axis(delta, index, axis=-1) - 1.0, axis=-1)
-        delta /= x.shape[1]
-        return self._backward(params, acts, delta, out)
+        return self._backward(params, acts, self._output_error(self._log_softmax(acts[-1]), y), out)
 
     def predict(self, params, x, chunk=8192):
         """Predicted labels, evaluated in chunks of ``chunk`` samples."""
