@@ -56,8 +56,9 @@ def round_runner(clients, algorithm, engine, hyper, cores):
     return one_round
 
 
-def hyper_of(algorithm, model="dnn", **overrides):
-    hyper = baseline_hyper(algorithm, "mnist", model, **overrides)
+def hyper_of(algorithm, model="dnn", dataset="mnist", **overrides):
+    """The local round's hyperparameters: the defaults but the round count and the server's beta."""
+    hyper = baseline_hyper(algorithm, dataset, model, **overrides)
     hyper.pop("rounds")
     hyper.pop("beta", None)
     return hyper

@@ -14,11 +14,14 @@ import argparse
 import sys
 import time
 
-from fedlayer.baselines import BASELINES, baseline_hyper
+from pathlib import Path
+
+from fedlayer.baselines import BASELINES
 from fedlayer.run import RunConfig, build, load_dataset, make_clients
 from fedlayer.transport import InProcessTransport, overall_accuracy
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "experiments"))
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).resolve().parents[1] / "experiments")]
+from baseline_cases import hyper_of  # noqa: E402
 from dev_layout import use_shared_data  # noqa: E402
 
 
@@ -36,9 +39,7 @@ def main(argv=None):
                            cores=[args.cores])
         dataset = load_dataset(config)
         clients = make_clients(config, dataset, build(config, dataset).config())
-        hyper = baseline_hyper(args.algorithm, dataset_name, model)
-        hyper.pop("rounds")
-        hyper.pop("beta", None)  # the server's
+        hyper = hyper_of(args.algorithm, model, dataset_name)
         w = clients[0].initial_params()["params"]
         start = time.perf_counter()
         for client in clients:

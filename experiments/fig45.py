@@ -78,7 +78,7 @@ def accuracy_run(algorithm, args, seed, dataset, rounds):
                        checkpoint=str(checkpoint), resume=True, checkpoint_every=10)
     results = run(config, dataset=dataset)
     return {"engine": "batched", "rounds": rounds, "accuracy": results["accuracy"], "checkpoint": str(checkpoint),
-            "curve": [[int(k), r["accuracy"]] for k, r in results["rounds"].items() if r["accuracy"] is not None]}
+            "curve": [list(point) for point in accuracy_curve(results)]}
 
 
 def final_accuracy(results):
