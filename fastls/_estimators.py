@@ -36,7 +36,8 @@ from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import _check_sample_weight, check_is_fitted, column_or_1d, validate_data
 
-from ._core import add_upper, cross_update, gram_update, matmul, ridge_solve
+from ._products import add_upper, cross_update, gram_update, matmul
+from ._solve import ridge_solve
 from ._select import RidgePath
 
 __all__ = ["StreamingRidge", "StreamingRidgeClassifier"]

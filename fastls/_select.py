@@ -20,9 +20,10 @@ import scipy.linalg
 import scipy.optimize
 
 from . import _kernels
-from ._core import (_basis_coordinates, _check_array, _check_basis_shape, _check_finite, _check_finite_upper,
-                    _check_system, gram_update, matmul, symmetrize)
+from ._products import gram_update, matmul, symmetrize
+from ._solve import _basis_coordinates, _check_basis_shape, _check_system
 from ._threads import sized_threads
+from ._validation import _check_array, _check_finite, _check_finite_upper
 
 __all__ = ["RidgePath", "DEFAULT_GRID"]
 

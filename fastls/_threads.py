@@ -239,7 +239,7 @@ class ThreadTrials:
         self._choice.clear()
 
 
-#: The timed choice of narrow Grams (see fastls._core.GRAM_MIN_THREADED_D).
+#: The timed choice of narrow Grams (see fastls._products.GRAM_MIN_THREADED_D).
 narrow_gram_trials = ThreadTrials()
 
 

@@ -17,7 +17,10 @@ import numpy as np
 
 from ._threads import run_spans, threads_for
 
-__all__ = ["recycled_array", "release", "recycled_nbytes"]
+__all__ = ["recycled_array", "release", "recycled_nbytes", "DEFAULT_SCRATCH_BYTES"]
+
+#: Default bound on the working memory (patches, tiles, row slices) of one kernel call.
+DEFAULT_SCRATCH_BYTES = 64 * 2**20
 
 _held = {}
 _lock = threading.Lock()
