@@ -14,11 +14,12 @@ products (tested against float64 references with the usual tolerances).
 from __future__ import annotations
 
 import numbers
+from typing import Literal
 
 import numpy as np
 
 from . import _kernels
-from ._patches import _check_images, _conv_geometry, _pair, im2col
+from ._patches import IntPair, Padding, _check_images, _conv_geometry, _pair, im2col
 from ._products import matmul
 from ._validation import _check_array, _check_count, _check_disjoint, _check_output
 from ._workspace import DEFAULT_SCRATCH_BYTES
@@ -26,18 +27,23 @@ from ._workspace import DEFAULT_SCRATCH_BYTES
 __all__ = ["conv2d", "winograd_filters", "conv2d_method", "WINOGRAD_MIN_CHANNELS", "avg_pool2d", "scale_negatives"]
 
 #: 'auto' takes Winograd for 3 x 3 stride-1 kernels from this many input
-#: channels and filters: below it the 16 products are too thin for BLAS
-#: (measured here: 0.84-1.06x im2col's speed at 16-32 channels, 1.17x at 64,
-#: 1.56-1.72x on the DCNN's 512-2048).
+#: channels and filters: below it the 16 products are too thin for BLAS to
+#: beat im2col (docs/results/kernels_notes.md).
 WINOGRAD_MIN_CHANNELS = 64
 _CONV2D_METHODS = ("auto", "im2col", "winograd")
 
 
-def conv2d_method(kernel_size, stride, channels, filters, method="auto"):
+def conv2d_method(kernel_size: IntPair, stride: IntPair, channels: int, filters: int,
+                  method: Literal["auto", "im2col", "winograd"] = "auto") -> Literal["im2col", "winograd"]:
     """The forward method :func:`conv2d` runs: 'winograd' or 'im2col'.
 
     Winograd applies to 3 x 3 kernels with stride 1; 'auto' takes it there
     when ``channels`` and ``filters`` are both at least ``WINOGRAD_MIN_CHANNELS``.
+
+    Raises
+    ------
+    ValueError
+        If ``method`` is unknown, or 'winograd' is asked for another kernel or stride.
     """
     if method not in _CONV2D_METHODS:
         raise ValueError(f"method must be one of {_CONV2D_METHODS}, got {method!r}")
@@ -50,7 +56,7 @@ def conv2d_method(kernel_size, stride, channels, filters, method="auto"):
     return method
 
 
-def winograd_filters(W, channels):
+def winograd_filters(W: np.ndarray, channels: int) -> np.ndarray:
     """U[4 i + j] = (G g G^T)[i, j] for every (channel, filter): 3 x 3 kernels in F(2x2, 3x3) form.
 
     Parameters
@@ -63,6 +69,11 @@ def winograd_filters(W, channels):
     Returns
     -------
     U : ndarray of shape (16, channels, F), dtype of W, C-contiguous
+
+    Raises
+    ------
+    ValueError
+        If W does not have 9 * channels (+ 1) rows.
     """
     _check_array("W", W, 2)
     if W.shape[0] not in (9 * channels, 9 * channels + 1):
@@ -86,8 +97,10 @@ def winograd_filters(W, channels):
     return U.reshape(16, channels, F)
 
 
-def conv2d(images, W, kernel_size, *, padding=0, stride=1, bias=False, method="auto", filters=None,
-           out=None, scratch_bytes=DEFAULT_SCRATCH_BYTES):
+def conv2d(images: np.ndarray, W: np.ndarray, kernel_size: IntPair, *, padding: Padding = 0, stride: IntPair = 1,
+           bias: bool = False, method: Literal["auto", "im2col", "winograd"] = "auto",
+           filters: np.ndarray | None = None, out: np.ndarray | None = None,
+           scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> np.ndarray:
     """out = im2col(images) @ W as NHWC maps: the (cross-)correlation of each image with the kernels.
 
     Parameters
@@ -114,6 +127,14 @@ def conv2d(images, W, kernel_size, *, padding=0, stride=1, bias=False, method="a
     Returns
     -------
     out : ndarray of shape (B, out_h, out_w, F)
+
+    Raises
+    ------
+    TypeError
+        If images or W is not a float32/float64 array, or their dtypes differ.
+    ValueError
+        If W's rows do not match the kernels, ``out`` or ``filters`` do not match
+        the output, ``method`` does not apply, or the geometry is invalid.
 
     Notes
     -----
@@ -213,7 +234,7 @@ def _conv2d_winograd(images, filters, bias_row, geometry, out, scratch_bytes):
     return out
 
 
-def avg_pool2d(images, pool_size, stride=None):
+def avg_pool2d(images: np.ndarray, pool_size: IntPair, stride: IntPair | None = None) -> np.ndarray:
     """out[b, y, x] = mean of the pool window of images[b] at output (y, x), NHWC.
 
     One pass over the input, bit-identical to summing the window's strided
@@ -229,6 +250,11 @@ def avg_pool2d(images, pool_size, stride=None):
     Returns
     -------
     out : ndarray of shape (B, (H - ph) // sh + 1, (W - pw) // sw + 1, C), dtype of images
+
+    Raises
+    ------
+    ValueError
+        If images is not 4-dimensional, a size is below 1, or the window does not fit.
     """
     images = _check_images(images)
     ph, pw = _pair("pool_size", pool_size)
@@ -244,7 +270,7 @@ def avg_pool2d(images, pool_size, stride=None):
     return out
 
 
-def scale_negatives(x, factor):
+def scale_negatives(x: np.ndarray, factor: float) -> np.ndarray:
     """x[x < 0] *= factor, in place (a leaky ReLU with slope ``factor``).
 
     One vectorized pass, no mask or temporary: NumPy's ``where=`` form of
@@ -258,6 +284,12 @@ def scale_negatives(x, factor):
     Returns
     -------
     x : the same array
+
+    Raises
+    ------
+    ValueError
+        If x is read-only or non-contiguous, ``factor`` is not finite, or
+        ``x * factor`` would overflow (checked before x is written).
     """
     _check_output("x", x, np.ndim(x))
     if not isinstance(factor, numbers.Real) or isinstance(factor, bool) or not np.isfinite(factor):

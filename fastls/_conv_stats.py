@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 
 from . import _kernels
 from ._overlap import (OVERLAP_CHUNK_BYTES, _assemble_blocks, _assembly_plan, _group_products, _overlap_plan,
                        _pick_conv_method)
-from ._patches import _conv_geometry, _image_shape, im2col
+from ._patches import IntPair, Padding, _conv_geometry, _image_shape, im2col
 from ._products import DEFAULT_BLOCK_ROWS, DEFAULT_TILE, matmul
 from ._threads import sized_threads
 from ._validation import (_check_array, _check_count, _check_disjoint, _check_finite, _check_output,
@@ -17,9 +19,11 @@ from ._workspace import DEFAULT_SCRATCH_BYTES, recycled_array
 __all__ = ["ConvStats", "conv_gram_update"]
 
 
-def conv_gram_update(G, C, images, targets, kernel_size, *, stride=1, padding=0,
-                     append_ones=False, scratch_bytes=DEFAULT_SCRATCH_BYTES,
-                     block_rows=DEFAULT_BLOCK_ROWS, check_finite=True, method="auto"):
+def conv_gram_update(G: np.ndarray, C: np.ndarray, images: np.ndarray, targets: np.ndarray, kernel_size: IntPair, *,
+                     stride: IntPair = 1, padding: Padding = 0, append_ones: bool = False,
+                     scratch_bytes: int = DEFAULT_SCRATCH_BYTES, block_rows: int = DEFAULT_BLOCK_ROWS,
+                     check_finite: bool = True,
+                     method: Literal["auto", "im2col", "overlap"] = "auto") -> tuple[np.ndarray, np.ndarray]:
     """G += P^T P and C += P^T T for the patch matrix P of a batch, streamed.
 
     One call of :class:`ConvStats`; see there for the two exact methods.
@@ -46,6 +50,11 @@ def conv_gram_update(G, C, images, targets, kernel_size, *, stride=1, padding=0,
     Returns
     -------
     (G, C) : the same arrays, updated.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :class:`ConvStats` and :meth:`ConvStats.update`.
     """
     if not isinstance(images, np.ndarray):
         raise TypeError(f"images must be a NumPy array, got {type(images).__name__}")
@@ -102,7 +111,7 @@ class ConvStats:
         Bound on the patch chunk or the gathered pixels of one call. The
         overlap gathers at most ``OVERLAP_CHUNK_BYTES`` (16 MiB) of pixels
         at a time, so that a product's operands are still in cache when BLAS
-        packs them (10 % faster on 14 x 14 x 512 maps), unless that would
+        packs them, unless that would
         leave the products fewer rows than half their channels: then
         writing the c x c products costs more than the cache saves.
     block_rows : int, default=4096
@@ -127,16 +136,32 @@ class ConvStats:
     G and C hold the complete statistics only after :meth:`finish` (or the
     end of a ``with`` block); :meth:`update` may add part of them earlier.
 
+    Raises
+    ------
+    TypeError
+        If G or C is not a float32/float64 array, or their dtypes differ.
+    ValueError
+        If G or C does not match the patches, is read-only or non-contiguous,
+        the geometry is invalid, or ``method`` does not apply to it.
+
     Examples
     --------
-    >>> with fastls.ConvStats(G, C, (14, 14, 512), 3, append_ones=True) as stats:
+    >>> import numpy as np
+    >>> import fastls
+    >>> G, C = np.zeros((19, 19)), np.zeros((19, 4))       # 3 x 3 kernels over 2 channels, plus the bias
+    >>> batches = [(np.ones((2, 6, 6, 2)), np.ones((2, 4))) for _ in range(3)]
+    >>> with fastls.ConvStats(G, C, (6, 6, 2), 3, append_ones=True) as stats:
     ...     for images, targets in batches:
-    ...         stats.update(images, targets)
+    ...         _ = stats.update(images, targets)             # returns the ConvStats
+    >>> float(G[-1, -1])                                  # the bias row's square summed over 6 x 16 patches
+    96.0
     """
 
-    def __init__(self, G, C, image_shape, kernel_size, *, stride=1, padding=0, append_ones=False,
-                 per_image_targets=True, method="auto", scratch_bytes=DEFAULT_SCRATCH_BYTES,
-                 block_rows=DEFAULT_BLOCK_ROWS, images=None, position_basis=None):
+    def __init__(self, G: np.ndarray, C: np.ndarray, image_shape: tuple[int, int, int], kernel_size: IntPair, *,
+                 stride: IntPair = 1, padding: Padding = 0, append_ones: bool = False,
+                 per_image_targets: bool = True, method: Literal["auto", "im2col", "overlap"] = "auto",
+                 scratch_bytes: int = DEFAULT_SCRATCH_BYTES, block_rows: int = DEFAULT_BLOCK_ROWS,
+                 images: int | None = None, position_basis: np.ndarray | None = None) -> None:
         _check_output("G", G, 2)
         _check_output("C", C, 2)
         H, W, channels = _image_shape(image_shape)
@@ -178,7 +203,7 @@ class ConvStats:
         self._partial = None      # overlap: per-group products, their pending float32 rows, zeroed ones
 
     @property
-    def state_bytes(self):
+    def state_bytes(self) -> int:
         """Memory held between calls by the per-group products (overlap; 0 otherwise)."""
         if self.method != "overlap":
             return 0
@@ -208,7 +233,7 @@ class ConvStats:
             raise TypeError(f"images must keep the dtype of the first batch ({self._dtype}), got {images.dtype}")
         return mixed
 
-    def update(self, images, targets, *, check_finite=True):
+    def update(self, images: np.ndarray, targets: np.ndarray, *, check_finite: bool = True) -> ConvStats:
         """Add one batch.
 
         Parameters
@@ -325,7 +350,7 @@ class ConvStats:
             _kernels.conv_stats_same(G, *_layout(G), C, *_layout(C), images, targets, per_image, scratch, sums,
                                      *geometry)
 
-    def finish(self):
+    def finish(self) -> tuple[np.ndarray, np.ndarray]:
         """Add what is still held per group into G; returns (G, C), complete."""
         if self._partial is not None:
             kh, kw, _, _, _, _, out_h, out_w = self.geometry
@@ -352,7 +377,7 @@ class ConvStats:
         sums[:] = 0.0
         column_sums[:] = 0.0
 
-    def __enter__(self):
+    def __enter__(self) -> ConvStats:
         return self
 
     def __exit__(self, exc_type, exc, tb):

@@ -11,11 +11,12 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
+from typing import Literal
 
 import numpy as np
 
 from . import _kernels
-from ._patches import _conv_geometry, _image_shape, _pair, conv_output_shape
+from ._patches import IntPair, Padding, _conv_geometry, _image_shape, _pair, conv_output_shape
 from ._products import DEFAULT_BLOCK_ROWS
 from ._threads import run_spans, threads_for
 from ._validation import _layout
@@ -23,21 +24,16 @@ from ._workspace import recycled_array
 
 __all__ = ["conv_stats_cost", "conv_stats_method"]
 
-# Pixels the overlap gathers at a time, measured best on the DCNN's 14 x 14 x 512 maps
-# (12-16 MiB; 64 MiB was 10 % slower). ConvStats' scratch_bytes still bounds it.
+# Pixels the overlap gathers at a time: a product's operands stay in cache while BLAS
+# packs them (docs/results/kernels_notes.md). ConvStats' scratch_bytes still bounds it.
 OVERLAP_CHUNK_BYTES = 16 * 2**20
-
 
 # The overlap path pays only where each displacement product is a real matrix
 # product: below this many channels the C x C products are too thin for BLAS.
 OVERLAP_MIN_CHANNELS = 32
-
-
 # ... and, when the images per finish are unknown, only where it saves at least
 # this share of im2col's multiply-adds.
 OVERLAP_MAX_COST_RATIO = 0.8
-
-
 _CONV_METHODS = ("auto", "im2col", "overlap")
 
 
@@ -143,8 +139,6 @@ def _assemble_blocks(acc, pending, clean, plan, G):
 # (weak reference to that array, one flag per group). A first product then
 # accumulates (beta 1) instead of BLAS zeroing 4-16 MB before it.
 _zeroed_groups = {}
-
-
 _zeroed_lock = threading.Lock()
 
 
@@ -165,26 +159,17 @@ def _group_products(shape, dtype):
 # a float32 gemm: memory-bound, so it is the ratio of the machine's gemm rate to
 # its memory speed. The overlap's finish writes each block of G once and reads
 # each group product (float32) once and zeroes it: half the bytes of a block.
-# Refitted on 2026-11-28 (AVX-512 VM, float32 gemm 344 GFLOP/s; bench/README.md,
-# "Run 13"), after the products were zeroed in the finish instead of by BLAS, to
-# the measured crossovers of the two methods: about 23 images per finish on
-# 6x6x1024 and 50-55 on 4x4x2048 (forced methods, best of 3). No single value
-# places both; 295 switches at 2 / 19 / 63 images on 14x14x512 / 6x6x1024 /
-# 4x4x2048, where the method it picks loses at most 5-8 % between its switch
-# and the measured crossover. It also absorbs what the multiply-add counts leave
-# out: the overlap's products on few images are thin (64-256 rows against a
-# C x C output) and run below the gemm rate. Before: 400 with the products read
-# only (a quarter of a block's bytes), 340 with a finish that read each product
-# once per block it fed, 100 on a Haswell VM whose gemm ran at half the speed.
+# Fitted to the measured crossovers of the two methods; it also absorbs the thin
+# products of the overlap on few images, which run below the gemm rate
+# (docs/results/kernels_notes.md).
 FOLD_COST_IN_MACS = 295
-
-
 # A pass of im2col's float32-into-float64 path over G also writes and reads the
 # float32 tile of the product: about 1.5 times the bytes of a plain pass.
 IM2COL_PASS_COST_IN_MACS = 520
 
 
-def conv_stats_cost(image_shape, kernel_size, *, stride=1, padding=0):
+def conv_stats_cost(image_shape: tuple[int, int, int], kernel_size: IntPair, *, stride: IntPair = 1,
+                    padding: Padding = 0) -> tuple[float, float | None]:
     """Multiply-adds per image of the patch Gram: (im2col + syrk, overlap or None).
 
     im2col counts out_h * out_w * d^2 / 2 (syrk's triangle, bias excluded);
@@ -208,7 +193,9 @@ def conv_stats_cost(image_shape, kernel_size, *, stride=1, padding=0):
     return im2col_macs, _overlap_plan(kh, kw, out_h, out_w)[4] * channels ** 2
 
 
-def conv_stats_method(image_shape, kernel_size, *, stride=1, padding=0, per_image_targets=True, images=None):
+def conv_stats_method(image_shape: tuple[int, int, int], kernel_size: IntPair, *, stride: IntPair = 1,
+                      padding: Padding = 0, per_image_targets: bool = True,
+                      images: int | None = None) -> Literal["im2col", "overlap"]:
     """The method ``method='auto'`` of :class:`ConvStats` takes: 'overlap' or 'im2col'.
 
     ``images``, the images summed before each ``finish`` when known, adds the

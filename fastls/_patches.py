@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import numbers
+from typing import Literal, Union
 
 import numpy as np
 
 from . import _kernels
 from ._validation import _COUNT_MAX, _check_array
 
-__all__ = ["conv_output_shape", "im2col"]
+__all__ = ["conv_output_shape", "im2col", "IntPair", "Padding"]
+
+#: A size for both image dimensions, or (height, width).
+IntPair = Union[int, tuple[int, int]]
+#: Zero padding on both sides: an :data:`IntPair`, 'valid' (none) or 'same' (k // 2; stride 1, odd k).
+Padding = Union[IntPair, Literal["valid", "same"]]
 
 
 def _pair(name, value):
@@ -68,10 +74,17 @@ def _conv_geometry(image_hw, kernel_size, stride, padding):
     return kh, kw, sh, sw, ph, pw, out_h, out_w
 
 
-def conv_output_shape(image_hw, kernel_size, stride=1, padding=0):
+def conv_output_shape(image_hw: IntPair, kernel_size: IntPair, stride: IntPair = 1,
+                      padding: Padding = 0) -> tuple[int, int]:
     """(out_h, out_w) = ((H + 2 ph - kh) // sh + 1, (W + 2 pw - kw) // sw + 1).
 
     ``padding`` is an int, a pair, ``'valid'`` (0) or ``'same'`` (k // 2).
+
+    Raises
+    ------
+    ValueError
+        If a size is not a positive int (or pair), the padding is unknown, or the
+        kernel does not fit the padded image.
     """
     return _conv_geometry(image_hw, kernel_size, stride, padding)[-2:]
 
@@ -81,7 +94,8 @@ def _check_images(images):
     return np.ascontiguousarray(images)
 
 
-def im2col(images, kernel_size, *, stride=1, padding=0, append_ones=False):
+def im2col(images: np.ndarray, kernel_size: IntPair, *, stride: IntPair = 1, padding: Padding = 0,
+           append_ones: bool = False) -> np.ndarray:
     """Patch matrix P with P[(b, y, x)] = patch of image b at output (y, x).
 
     Parameters
@@ -97,6 +111,14 @@ def im2col(images, kernel_size, *, stride=1, padding=0, append_ones=False):
     P : ndarray of shape (B * out_h * out_w, kh * kw * C + append_ones)
         C-ordered; columns ordered (ky, kx, channel), channel fastest; rows
         ordered (image, y, x), so ``P @ W`` reshapes to NHWC outputs.
+
+    Raises
+    ------
+    TypeError
+        If images is not a float32/float64 array.
+    ValueError
+        If images is not 4-dimensional or the geometry is invalid (as in
+        :func:`conv_output_shape`).
     """
     images = _check_images(images)
     kh, kw, sh, sw, ph, pw, out_h, out_w = _conv_geometry(images.shape[1:3], kernel_size, stride, padding)

@@ -15,13 +15,12 @@ __all__ = ["gram_update", "cross_update", "matmul", "add_upper", "symmetrize"]
 
 #: Rows summed in float32 before a product is added to a float64 output (the ``block_rows`` default).
 DEFAULT_BLOCK_ROWS = 4096
-
-
 # Widest float32 tile of a float32-into-float64 product (26 MB of scratch); dimensions split evenly.
 DEFAULT_TILE = 2560
 
 
-def gram_update(G, X, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
+def gram_update(G: np.ndarray, X: np.ndarray, *, block_rows: int = DEFAULT_BLOCK_ROWS,
+                check_finite: bool = True) -> np.ndarray:
     """G += X^T X in place, upper triangle, through BLAS syrk.
 
     Parameters
@@ -40,6 +39,15 @@ def gram_update(G, X, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
     -------
     G : ndarray of shape (d, d)
         The same array, updated.
+
+    Raises
+    ------
+    TypeError
+        If G or X is not a float32/float64 array, or X is float64 with a float32 G.
+    ValueError
+        If the shapes do not match, G is read-only, non-contiguous or shares memory
+        with X, or (with ``check_finite``) X holds NaN/Inf or values whose squares
+        overflow, or a float32 G overflows. G is unchanged when X is refused.
     """
     _check_output("G", G, 2)
     _check_array("X", X, 2)
@@ -112,24 +120,14 @@ def _check_cross_input(X, Z, rows):
 # Largest d x d temporary gram_update uses to check finiteness on the
 # diagonal of the product instead of scanning X.
 _DIAGONAL_CHECK_BYTES = 8 * 2**20
-
-
-# Narrower Grams do not follow the flops rule. OpenBLAS's two-thread syrk splits
-# the d x d output, and every thread streams all N rows: at d = 33 and 65 it ran
-# up to 1.6x slower than one thread in both dtypes, on two days with machines 2x
-# apart in speed, while from d = 129 it paid from a few hundred rows. But at
-# d = 65 in float64 from 4,096 rows two threads were 1.13-1.18x faster on other
-# days (docs/results/threads.md, "Narrow Grams"). So each kind of narrow Gram
-# (dtype, d, rows to a power of two) is timed on its first calls with one thread
-# and with the rule's, and keeps the faster (fastls._threads.ThreadTrials).
+# Narrower Grams do not follow the flops rule: whether OpenBLAS's two-thread syrk
+# (which splits the d x d output, each thread streaming all N rows) beats one thread
+# flips between machines and days, so each kind of narrow Gram (dtype, d, rows to a
+# power of two) is timed on its first calls with one thread and with the rule's, and
+# keeps the faster (fastls._threads.ThreadTrials; docs/results/kernels_notes.md).
 GRAM_MIN_THREADED_D = 96
-
-
-# ... and Grams of less work (N d^2 flops) run one thread too. On this VM three grids
-# measured two threads 0.82-0.92x of one at d = 129 and 64 rows (1.1e6 flops) in both
-# dtypes, while from 4.2e6 (d = 129 and 256 rows, d = 257 and 64) two were at least as
-# fast in float64 (1.02-1.28x) and within 0.92-1.11x in float32 (docs/results/threads.md,
-# "A work floor for Grams").
+# ... and Grams of less work (N d^2 flops) run one thread too: below it a second
+# thread did not pay in either dtype (docs/results/kernels_notes.md).
 GRAM_MIN_THREADED_FLOPS = 2e6
 
 
@@ -156,7 +154,8 @@ def _gram_into(G, X, mixed, block_rows):
         narrow_gram_trials.record(trial, time.perf_counter() - start, flops)
 
 
-def cross_update(C, X, Z, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
+def cross_update(C: np.ndarray, X: np.ndarray, Z: np.ndarray, *, block_rows: int = DEFAULT_BLOCK_ROWS,
+                 check_finite: bool = True) -> np.ndarray:
     """C += X^T Z in place through BLAS gemm.
 
     Parameters
@@ -171,6 +170,16 @@ def cross_update(C, X, Z, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
     Returns
     -------
     C : ndarray of shape (d, m)
+
+    Raises
+    ------
+    TypeError
+        If an argument is not a float32/float64 array, X and Z differ in dtype, or
+        they are float64 with a float32 C.
+    ValueError
+        If the shapes do not match, C is read-only, non-contiguous or shares memory
+        with X or Z, or (with ``check_finite``) X or Z holds NaN/Inf or products
+        that overflow, or a float32 C overflows.
     """
     _check_output("C", C, 2)
     _check_array("X", X, 2)
@@ -202,7 +211,7 @@ def cross_update(C, X, Z, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True):
     return C
 
 
-def matmul(X, W, *, out=None, check_finite=True):
+def matmul(X: np.ndarray, W: np.ndarray, *, out: np.ndarray | None = None, check_finite: bool = True) -> np.ndarray:
     """out = X W through BLAS gemm (the forward product of a layer).
 
     Runs on SciPy's BLAS under the same thread rule as the statistics, so that
@@ -220,6 +229,14 @@ def matmul(X, W, *, out=None, check_finite=True):
     Returns
     -------
     out : ndarray of shape (N, m)
+
+    Raises
+    ------
+    TypeError
+        If X or W is not a float32/float64 array, or their dtypes differ.
+    ValueError
+        If the shapes do not match or ``out`` is unfit, or (with ``check_finite``)
+        X or W holds NaN/Inf or their product overflows.
     """
     _check_array("X", X, 2)
     _check_array("W", W, 2)
@@ -256,11 +273,11 @@ def matmul(X, W, *, out=None, check_finite=True):
     return out
 
 
-def add_upper(G, T):
+def add_upper(G: np.ndarray, T: np.ndarray) -> np.ndarray:
     """G += T on the upper triangle (i <= j) in place; the strict lower triangle of G is not touched.
 
     Sums Gram matrices, whose data is their upper triangle, at half the memory
-    traffic of ``G += T`` (0.22 s against 0.38 s at d = 18,433 in float64).
+    traffic of ``G += T``.
     NaN and Inf propagate as in ``+=``: validate the summands where they come from.
 
     Parameters
@@ -273,6 +290,13 @@ def add_upper(G, T):
     Returns
     -------
     G
+
+    Raises
+    ------
+    TypeError
+        If G or T is not a float32/float64 array, or T's dtype is not G's.
+    ValueError
+        If G and T are not square of one shape, or G is read-only or non-contiguous.
     """
     _check_output("G", G, 2)
     _check_array("T", T, 2)
@@ -284,7 +308,7 @@ def add_upper(G, T):
     return G
 
 
-def symmetrize(G, *, inplace=False):
+def symmetrize(G: np.ndarray, *, inplace: bool = False) -> np.ndarray:
     """Full symmetric matrix from the upper triangle of G: triu(G) + triu(G, 1)^T.
 
     Parameters
@@ -296,6 +320,11 @@ def symmetrize(G, *, inplace=False):
     Returns
     -------
     ndarray of shape (d, d)
+
+    Raises
+    ------
+    ValueError
+        If G is not square (or, with ``inplace``, read-only or non-contiguous).
     """
     (_check_output if inplace else _check_array)("G", G, 2)
     if G.shape[0] != G.shape[1]:

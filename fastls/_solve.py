@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 import warnings
+from typing import Literal
 
 import numpy as np
 import scipy.linalg
@@ -152,8 +153,9 @@ def _working_rhs(C, overwrite_c):
     return np.array(C, order="F", copy=True)
 
 
-def ridge_solve(G, C, gamma, *, overwrite_g=False, overwrite_c=False, on_failure="raise", check_finite=True,
-                rhs_basis=None):
+def ridge_solve(G: np.ndarray, C: np.ndarray, gamma: float, *, overwrite_g: bool = False, overwrite_c: bool = False,
+                on_failure: Literal["raise", "eigh"] = "raise", check_finite: bool = True,
+                rhs_basis: np.ndarray | None = None) -> np.ndarray:
     """W = (G + gamma I)^-1 C by Cholesky (potrf/potrs), never an explicit inverse.
 
     Parameters
@@ -181,6 +183,18 @@ def ridge_solve(G, C, gamma, *, overwrite_g=False, overwrite_c=False, on_failure
     Returns
     -------
     W : ndarray of shape (d, m), Fortran-ordered, dtype of G
+
+    Raises
+    ------
+    TypeError
+        If G or C is not a float32/float64 array, or their dtypes differ.
+    ValueError
+        If the shapes do not match, gamma is not a finite number > 0 representable
+        in G's dtype, an overwritten array shares memory with another argument,
+        (with ``check_finite``) G's upper triangle or C holds NaN/Inf, or C is not
+        in the row space of ``rhs_basis``.
+    numpy.linalg.LinAlgError
+        If G + gamma I is not positive definite and ``on_failure='raise'``.
     """
     # With rhs_basis the solve runs on new coordinates: C is not written, whatever overwrite_c says.
     G, gamma = _check_solve(G, C, gamma, "gamma", "the ridge regularization", on_failure, overwrite_g,
@@ -192,8 +206,9 @@ def ridge_solve(G, C, gamma, *, overwrite_g=False, overwrite_c=False, on_failure
     return _spd_solve(G, rhs, gamma, "gamma", overwrite_g, on_failure, "ridge_solve")
 
 
-def proximal_solve(G, C, eps, M, *, overwrite_g=False, overwrite_c=False, on_failure="raise", check_finite=True,
-                   rhs_basis=None):
+def proximal_solve(G: np.ndarray, C: np.ndarray, eps: float, M: np.ndarray, *, overwrite_g: bool = False,
+                   overwrite_c: bool = False, on_failure: Literal["raise", "eigh"] = "raise", check_finite: bool = True,
+                   rhs_basis: np.ndarray | None = None) -> np.ndarray:
     """W = (G + eps I)^-1 (C + eps M): the least-squares step pulled towards M.
 
     Solves argmin_W ||Z - X W||^2 + eps ||W - M||^2 given G = X^T X and
@@ -213,6 +228,16 @@ def proximal_solve(G, C, eps, M, *, overwrite_g=False, overwrite_c=False, on_fai
     Returns
     -------
     W : ndarray of shape (d, m), Fortran-ordered, dtype of G
+
+    Raises
+    ------
+    TypeError
+        As :func:`ridge_solve`, and if M is wider than G.
+    ValueError
+        As :func:`ridge_solve` (for eps), and if M's shape is not C's, M holds
+        NaN/Inf, or C + eps M overflows.
+    numpy.linalg.LinAlgError
+        If G + eps I is not positive definite and ``on_failure='raise'``.
     """
     G, eps = _check_solve(G, C, eps, "eps", "the proximal weight", on_failure, overwrite_g, check_finite,
                           overwrite_c=overwrite_c, M=M)
@@ -241,7 +266,7 @@ def proximal_solve(G, C, eps, M, *, overwrite_g=False, overwrite_c=False, on_fai
                       prepare_rhs=add_pull)
 
 
-def proximal_cost(n, d, m, *, gram_flops=None):
+def proximal_cost(n: float, d: float, m: float, *, gram_flops: float | None = None) -> dict[str, float]:
     """Flops of the proximal solve in its primal and its dual form.
 
     primal: G = X^T X (n d^2, or ``gram_flops``), Cholesky of d x d (d^3 / 3),
@@ -252,6 +277,11 @@ def proximal_cost(n, d, m, *, gram_flops=None):
     Returns
     -------
     dict with "primal" and "dual" (float flops)
+
+    Raises
+    ------
+    ValueError
+        If n, d or m is not a finite number >= 0.
     """
     for name, value in (("n", n), ("d", d), ("m", m)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < float("inf"):
@@ -262,7 +292,9 @@ def proximal_cost(n, d, m, *, gram_flops=None):
             "dual": n * n * d + n ** 3 / 3 + 4 * n * d * m + 2 * n * n * m}
 
 
-def proximal_solve_dual(X, Z, eps, M, *, block_rows=DEFAULT_BLOCK_ROWS, check_finite=True, rhs_basis=None):
+def proximal_solve_dual(X: np.ndarray, Z: np.ndarray, eps: float, M: np.ndarray, *,
+                        block_rows: int = DEFAULT_BLOCK_ROWS, check_finite: bool = True,
+                        rhs_basis: np.ndarray | None = None) -> np.ndarray:
     """W = M + X^T (X X^T + eps I)^-1 (Z - X M): :func:`proximal_solve` without G.
 
     The same minimizer of ||Z - X W||^2 + eps ||W - M||^2 by the Woodbury
@@ -289,6 +321,17 @@ def proximal_solve_dual(X, Z, eps, M, *, block_rows=DEFAULT_BLOCK_ROWS, check_fi
     Returns
     -------
     W : ndarray of shape (d, m), dtype of M
+
+    Raises
+    ------
+    TypeError
+        If an argument is not a float32/float64 array, or M is float32 with float64 X.
+    ValueError
+        If the shapes or dtypes of X, Z and M do not match, eps is not a finite
+        number > 0, (with ``check_finite``) an input holds NaN/Inf, or Z or M is
+        not in the row space of ``rhs_basis``.
+    numpy.linalg.LinAlgError
+        If X X^T + eps I is not positive definite (eps below its rounding).
     """
     _check_array("X", X, 2)
     _check_array("Z", Z, 2)

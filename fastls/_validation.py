@@ -13,8 +13,6 @@ import numpy as np
 from . import _kernels
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-
-
 # BLAS and LAPACK take their sizes as 32-bit ints: a larger dimension would wrap around.
 _BLAS_INT_MAX = 2**31 - 1
 

@@ -2,9 +2,13 @@
 
 import ast
 import pathlib
+import inspect
 import subprocess
 import sys
+import typing
 
+
+import pytest
 
 import fastls
 import fastls.tuning
@@ -29,6 +33,32 @@ def test_tuning_is_reachable_from_import_fastls_alone():
     out = subprocess.run([sys.executable, "-c", "import fastls; print(fastls.tuning.DEFAULT_SCRATCH_BYTES)"],
                          capture_output=True, text=True, check=True)
     assert int(out.stdout) == fastls.tuning.DEFAULT_SCRATCH_BYTES
+
+
+def _public_callables():
+    """Every public function and method fastls and fastls.tuning export, written in Python."""
+    for module in (fastls, fastls.tuning):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if inspect.isclass(obj):
+                own = {key: value for cls in obj.__mro__ if cls.__module__.startswith("fastls")
+                       for key, value in vars(cls).items()}
+                for key, member in own.items():
+                    member = getattr(member, "__func__", getattr(member, "fget", member))
+                    if inspect.isfunction(member) and (not key.startswith("_") or key == "__init__"):
+                        yield f"{name}.{key}", member
+            elif inspect.isfunction(obj) or inspect.isfunction(getattr(obj, "__wrapped__", None)):
+                yield name, obj
+
+
+@pytest.mark.parametrize("name, function", list(_public_callables()), ids=lambda value: value
+                         if isinstance(value, str) else "")
+def test_public_functions_are_annotated(name, function):
+    function = inspect.unwrap(function)
+    hints = typing.get_type_hints(function)  # resolves: no name is misspelt or missing
+    parameters = [p for p in inspect.signature(function).parameters if p not in ("self", "cls")]
+    assert [p for p in parameters if p not in hints] == [], f"{name}: parameters without a type hint"
+    assert "return" in hints, f"{name}: no return annotation"
 
 
 def _imported_siblings(path):
