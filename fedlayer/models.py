@@ -1371,21 +1371,26 @@ def build_model(name, input_shape, n_classes, *, width=1.0, dtype=np.float64, ne
     else:
         if len(input_shape) != 3:
             raise ValueError(f"the dcnn model needs image inputs (H, W, C), got input_shape {input_shape}")
-
-        def leaky():
-            return LeakyReLU(negative_slope)
-
-        layers = [
-            Conv2d(scaled(512), 5, padding=padding, activation=leaky()),
-            AvgPool2d(2),
-            Conv2d(scaled(1024), 3, padding=padding, activation=leaky()),
-            AvgPool2d(2),
-            Conv2d(scaled(2048), 3, padding=padding, activation=leaky()),
-            Conv2d(scaled(2048), 3, padding=padding, activation=leaky()),
-            Flatten(),
-            Dense(n_classes),
-        ]
+        layers = _dcnn_layers(scaled, n_classes, negative_slope, padding)
     return Model(layers, input_shape, dtype)
+
+
+def _dcnn_layers(scaled, n_classes, negative_slope, padding):
+    """The layers of :func:`build_model`'s "dcnn"; ``scaled(c)`` is the width of c channels."""
+
+    def leaky():
+        return LeakyReLU(negative_slope)
+
+    return [
+        Conv2d(scaled(512), 5, padding=padding, activation=leaky()),
+        AvgPool2d(2),
+        Conv2d(scaled(1024), 3, padding=padding, activation=leaky()),
+        AvgPool2d(2),
+        Conv2d(scaled(2048), 3, padding=padding, activation=leaky()),
+        Conv2d(scaled(2048), 3, padding=padding, activation=leaky()),
+        Flatten(),
+        Dense(n_classes),
+    ]
 
 
 def model_from_layers(specs, input_shape, dtype=np.float64):
