@@ -33,12 +33,12 @@ def test_thread_setting(benchmark, case, dtype, setting):
     kind, d, rows = case
     call, _ = thread_case(kind, d, rows, dtype)
     cores, rule = SETTINGS[setting]
-    previous = fastls.set_flops_per_thread(fastls.FLOPS_PER_THREAD if rule else 0)
+    previous = fastls.tuning.set_flops_per_thread(fastls.tuning.FLOPS_PER_THREAD if rule else 0)
     try:
         with fastls.limit_cores(cores):
             result = benchmark.pedantic(call, rounds=3, iterations=1, warmup_rounds=1)
     finally:
-        fastls.set_flops_per_thread(previous)
+        fastls.tuning.set_flops_per_thread(previous)
     _check(kind, d, rows, dtype, result)
 
 

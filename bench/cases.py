@@ -83,7 +83,7 @@ def zero_stats(G, C):
 def conv_stats(images, targets, G, C, method):
     """G, C += float64 statistics of a 3x3 valid convolution with a bias column by ``method`` of fastls.ConvStats."""
     fastls.conv_gram_update(G, C, images, targets, 3, append_ones=True, method=method,
-                            scratch_bytes=4 * fastls.DEFAULT_SCRATCH_BYTES)
+                            scratch_bytes=4 * fastls.tuning.DEFAULT_SCRATCH_BYTES)
     return G, C
 
 

@@ -164,7 +164,7 @@ def forward_methods(model):
         if not isinstance(layer, Conv2d):
             methods.append("matmul")
             continue
-        methods.append(fastls.conv2d_method(layer.kernel_size, layer.stride, shape[-1], layer.filters))
+        methods.append(fastls.tuning.conv2d_method(layer.kernel_size, layer.stride, shape[-1], layer.filters))
     return methods
 
 

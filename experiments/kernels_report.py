@@ -110,11 +110,11 @@ def conv_table(repeat):
         zeroing = best_times({"zero": lambda: zero_stats(G, C)}, repeat)["zero"]
         rate = conv_flops(side, channels, batch) / t["overlap"] / 1e9
         # The same time against the multiply-adds the overlap performs (2 flops each).
-        performed = 2 * fastls.conv_stats_cost((side, side, channels), 3)[1] * batch / t["overlap"] / 1e9
+        performed = 2 * fastls.tuning.conv_stats_cost((side, side, channels), 3)[1] * batch / t["overlap"] / 1e9
         rates[(side, channels, batch)] = rate, performed
         rows.append(
             f"| {side}x{side}x{channels}, {batch} | {9 * channels + 1} | "
-            f"{fastls.conv_stats_method((side, side, channels), 3, images=batch)} | {t['overlap']:.2f} | "
+            f"{fastls.tuning.conv_stats_method((side, side, channels), 3, images=batch)} | {t['overlap']:.2f} | "
             f"{t['im2col']:.2f} | {t['im2col+gram']:.2f} | {t['im2col+gram'] / t['overlap']:.2f}x | "
             f"{t['im2col+gram'] / t['auto']:.2f}x | {rate:.0f} | {zeroing:.2f} | "
             f"{(t['im2col+gram'] + zeroing) / (t['overlap'] + zeroing):.2f}x |")

@@ -15,7 +15,7 @@ of 1 and 2 threads is the issue's measure. Cases above the target ratio are
 measured again ``--confirm`` more times (their runs pooled with the first
 ones), so a ratio the report flags is one that survived a second look. The
 report also fits the rule's flops per thread to these measurements: the value
-a re-measured machine should put in fastls.FLOPS_PER_THREAD (or
+a re-measured machine should put in fastls.tuning.FLOPS_PER_THREAD (or
 FASTLS_FLOPS_PER_THREAD).
 """
 
@@ -62,12 +62,12 @@ def measure(call, flops_per_thread, repeat, budget, times=None):
     for r in range(repeat):
         for name in names[r % 3:] + names[:r % 3]:  # rotate the order: drifts hit all settings alike
             cores, rule = SETTINGS[name]
-            previous = fastls.set_flops_per_thread(flops_per_thread if rule else 0)
+            previous = fastls.tuning.set_flops_per_thread(flops_per_thread if rule else 0)
             try:
                 with fastls.limit_cores(cores):
                     times[name].append(per_call(call, budget))
             finally:
-                fastls.set_flops_per_thread(previous)
+                fastls.tuning.set_flops_per_thread(previous)
     return times
 
 
@@ -139,7 +139,7 @@ def main():
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--budget", type=float, default=0.02, help="seconds of back-to-back calls per timing")
     parser.add_argument("--size", choices=sorted(THREAD_GRID), default="full")
-    parser.add_argument("--flops-per-thread", type=float, default=fastls.get_flops_per_thread())
+    parser.add_argument("--flops-per-thread", type=float, default=fastls.tuning.get_flops_per_thread())
     parser.add_argument("--kinds", nargs="+", default=THREAD_KINDS, choices=THREAD_KINDS)
     parser.add_argument("--stat", choices=sorted(STATS), default="min", help="a setting's time from its runs")
     parser.add_argument("--confirm", type=int, default=5,
@@ -162,13 +162,13 @@ def main():
                     call, flops = thread_case(kind, d, rows, np.dtype(dtype))
                     repeat = args.repeat if flops < 5e10 else 2
                     runs = measure(call, args.flops_per_thread, repeat, args.budget)
-                    previous = fastls.set_flops_per_thread(args.flops_per_thread)
+                    previous = fastls.tuning.set_flops_per_thread(args.flops_per_thread)
                     with fastls.limit_cores(2):
-                        threads = fastls.threads_for(fastls._core._gram_thread_work(rows, d) if kind == "gram"
+                        threads = fastls.tuning.threads_for(fastls._products._gram_thread_work(rows, d) if kind == "gram"
                                                      else flops)
-                    fastls.set_flops_per_thread(previous)
+                    fastls.tuning.set_flops_per_thread(previous)
                     if kind == "gram":  # narrow Grams run what their timed first calls chose
-                        threads = fastls.thread_trials().get((np.dtype(dtype).char, d, rows.bit_length(), threads),
+                        threads = fastls.tuning.thread_trials().get((np.dtype(dtype).char, d, rows.bit_length(), threads),
                                                              threads)
                     record = summarize({"kind": kind, "dtype": dtype, "d": d, "rows": rows, "flops": flops,
                                         "threads": threads, "runs": runs}, args.stat)

@@ -5,46 +5,39 @@ Winograd F(2x2, 3x3) convolutions, average pooling, leaky ReLU in place, a
 streaming convolution Gram, Cholesky ridge and proximal solves, ridge paths
 with GCV and leave-one-out selection of the shift, all float32/float64 with C-
 or Fortran-ordered inputs and the GIL released, plus core limits through
-threadpoolctl and fewer BLAS threads where fewer are faster.
+threadpoolctl. How the kernels pick thread counts, methods and scratch sizes
+is exposed in :mod:`fastls.tuning`.
+
+Conventions shared by every kernel:
+
+* Matrices are float32 or float64 NumPy arrays, C- or Fortran-ordered.
+  Outputs updated in place must be writable and contiguous; inputs of any
+  layout are accepted (non-contiguous ones are copied once).
+* Gram matrices hold their data in the **upper triangle** (``G[i, j]`` with
+  ``i <= j``); the strict lower triangle is never read or written by the
+  kernels. :func:`symmetrize` gives the full matrix.
+* A float64 output may accumulate float32 inputs: products run in float32
+  BLAS over at most ``block_rows`` rows and are added to the float64 output,
+  so the float32 rounding error is bounded by the block, not by N.
+* Images are NHWC (batch, height, width, channels), channels last, so that a
+  kernel row inside the image is one contiguous run of memory and a patch
+  row is laid out (ky, kx, channel) with the channel fastest.
+* Invalid arguments raise TypeError (wrong type or dtype) or ValueError
+  (shape, value, NaN/Inf, overflow) before any output is written; a shifted
+  Gram that is not positive definite raises ``numpy.linalg.LinAlgError``.
 """
 
-from ._core import (
-    DEFAULT_SCRATCH_BYTES,
-    add_upper,
-    ConvStats,
-    avg_pool2d,
-    conv_gram_update,
-    conv_output_shape,
-    conv_stats_cost,
-    conv_stats_method,
-    cross_update,
-    gram_update,
-    im2col,
-    matmul,
-    proximal_cost,
-    proximal_solve,
-    proximal_solve_dual,
-    ridge_solve,
-    scale_negatives,
-    symmetrize,
-)
-from ._conv import WINOGRAD_MIN_CHANNELS, conv2d, conv2d_method, winograd_filters
+from . import tuning as tuning  # the submodule: fastls.tuning after a bare "import fastls"
+from ._conv import avg_pool2d, conv2d, scale_negatives, winograd_filters
+from ._conv_stats import ConvStats, conv_gram_update
 from ._draws import normal_rows
+from ._patches import conv_output_shape, im2col
+from ._products import add_upper, cross_update, gram_update, matmul, symmetrize
 from ._select import DEFAULT_GRID, RidgePath
+from ._solve import proximal_cost, proximal_solve, proximal_solve_dual, ridge_solve
+from ._threads import available_cores, blas_info, limit_cores
 from ._workspace import recycled_array, recycled_nbytes
 from ._workspace import release as release_recycled
-from ._threads import (
-    FLOPS_PER_THREAD,
-    available_cores,
-    blas_info,
-    get_flops_per_thread,
-    limit_cores,
-    reset_thread_trials,
-    set_flops_per_thread,
-    sized_threads,
-    thread_trials,
-    threads_for,
-)
 
 __version__ = "0.1.0"
 
@@ -65,44 +58,36 @@ def __dir__():
 
 
 __all__ = [
+    # Products and Gram matrices
     "gram_update",
     "cross_update",
-    "symmetrize",
+    "matmul",
     "add_upper",
+    "symmetrize",
+    # Convolutions
     "im2col",
-    "conv2d",
-    "conv2d_method",
-    "winograd_filters",
-    "WINOGRAD_MIN_CHANNELS",
     "conv_output_shape",
+    "conv2d",
+    "winograd_filters",
     "avg_pool2d",
     "scale_negatives",
     "conv_gram_update",
     "ConvStats",
-    "conv_stats_cost",
-    "conv_stats_method",
-    "DEFAULT_SCRATCH_BYTES",
+    # Solves
     "ridge_solve",
     "proximal_solve",
     "proximal_solve_dual",
     "proximal_cost",
     "RidgePath",
+    "DEFAULT_GRID",
     "StreamingRidge",
     "StreamingRidgeClassifier",
+    # Random rows, recycled memory, cores
+    "normal_rows",
     "recycled_array",
     "release_recycled",
     "recycled_nbytes",
-    "DEFAULT_GRID",
-    "matmul",
-    "normal_rows",
     "limit_cores",
     "available_cores",
     "blas_info",
-    "threads_for",
-    "sized_threads",
-    "get_flops_per_thread",
-    "set_flops_per_thread",
-    "FLOPS_PER_THREAD",
-    "thread_trials",
-    "reset_thread_trials",
 ]

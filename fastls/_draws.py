@@ -13,7 +13,7 @@ _MAX_KEY = (1 << 64) - 1
 STREAM_DRAWS = 1 << 58
 
 
-def normal_rows(out, key, start=0):
+def normal_rows(out: np.ndarray, key: int, start: int = 0) -> np.ndarray:
     """Fill ``out`` with draws start, start + 1, ... of the N(0, 1) stream ``key``; return each row's sum of squares.
 
     Draw ``i`` of a stream is a function of ``(key, i)`` alone (SplitMix64

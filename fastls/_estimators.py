@@ -28,15 +28,18 @@ Gram updates, not one solve each.
 from __future__ import annotations
 
 from numbers import Real
+from typing import Literal
 
 import numpy as np
 import scipy.linalg.blas
+from numpy.typing import ArrayLike
 from sklearn.base import BaseEstimator, ClassifierMixin, MultiOutputMixin, RegressorMixin, _fit_context
 from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import _check_sample_weight, check_is_fitted, column_or_1d, validate_data
 
-from ._core import add_upper, cross_update, gram_update, matmul, ridge_solve
+from ._products import add_upper, cross_update, gram_update, matmul
+from ._solve import ridge_solve
 from ._select import RidgePath
 
 __all__ = ["StreamingRidge", "StreamingRidgeClassifier"]
@@ -138,7 +141,8 @@ class _StreamingRidgeBase(BaseEstimator):
     #: Names of the fitted sums that describe the targets (besides the Gram, x_sum_ and the weights).
     _TARGET_SUMS: tuple = ()
 
-    def __init__(self, alpha=1.0, *, fit_intercept=True, alphas=None):
+    def __init__(self, alpha: float | Literal["gcv"] | ArrayLike = 1.0, *, fit_intercept: bool = True,
+                 alphas: ArrayLike | None = None) -> None:
         self.alpha = alpha
         self.fit_intercept = fit_intercept
         self.alphas = alphas
@@ -278,17 +282,17 @@ class _StreamingRidgeBase(BaseEstimator):
         return {name: getattr(self, name) for name in names}
 
     @property
-    def alpha_(self):
+    def alpha_(self) -> float | np.ndarray:
         """float or ndarray of shape (n_targets,): the alpha of the solve (GCV's choice with alpha='gcv')."""
         return self._solved()["alpha"]
 
     @property
-    def gcv_alphas_(self):
+    def gcv_alphas_(self) -> np.ndarray:
         """ndarray of shape (n_alphas,): the grid GCV searched (alpha='gcv' only)."""
         return self._gcv_attribute("gcv_alphas")
 
     @property
-    def gcv_values_(self):
+    def gcv_values_(self) -> np.ndarray:
         """ndarray of shape (n_alphas,): GCV(alpha) on ``gcv_alphas_``, summed over targets (alpha='gcv' only)."""
         return self._gcv_attribute("gcv_values")
 
@@ -310,7 +314,7 @@ class _StreamingRidgeBase(BaseEstimator):
 
     # -- the three operations ---------------------------------------------------------------------------
     @_fit_context(prefer_skip_nested_validation=True)
-    def fit(self, X, y, sample_weight=None):
+    def fit(self, X: ArrayLike, y: ArrayLike, sample_weight: float | ArrayLike | None = None) -> _StreamingRidgeBase:
         """Fit on X, y alone (earlier statistics are discarded), and solve.
 
         Parameters
@@ -330,7 +334,8 @@ class _StreamingRidgeBase(BaseEstimator):
         self._solved()
         return self
 
-    def partial_unfit(self, X, y, sample_weight=None):
+    def partial_unfit(self, X: ArrayLike, y: ArrayLike,
+                      sample_weight: float | ArrayLike | None = None) -> _StreamingRidgeBase:
         """Remove a batch seen before: the sums are downdated, exactly.
 
         After ``partial_fit(A)``, ``partial_fit(B)``, ``partial_unfit(B)`` the coefficients equal
@@ -361,7 +366,7 @@ class _StreamingRidgeBase(BaseEstimator):
         self._accumulate(X, Y, sample_weight)
         return self
 
-    def merge(self, other):
+    def merge(self, other: _StreamingRidgeBase) -> _StreamingRidgeBase:
         """Add another estimator's statistics to this one's: the fit on both estimators' data.
 
         Parameters
@@ -516,7 +521,7 @@ class StreamingRidge(MultiOutputMixin, RegressorMixin, _StreamingRidgeBase):
     _LAYOUT = ("_y_1d",)
 
     @_fit_context(prefer_skip_nested_validation=True)
-    def partial_fit(self, X, y, sample_weight=None):
+    def partial_fit(self, X: ArrayLike, y: ArrayLike, sample_weight: float | ArrayLike | None = None) -> StreamingRidge:
         """Add a batch's statistics (the first call starts them; later ones need the same features and targets).
 
         Parameters
@@ -529,7 +534,7 @@ class StreamingRidge(MultiOutputMixin, RegressorMixin, _StreamingRidgeBase):
         """
         return self._fit(X, y, sample_weight, reset=not self.__sklearn_is_fitted__())
 
-    def predict(self, X):
+    def predict(self, X: ArrayLike) -> np.ndarray:
         """Predicted targets.
 
         Parameters
@@ -544,12 +549,12 @@ class StreamingRidge(MultiOutputMixin, RegressorMixin, _StreamingRidgeBase):
         return out[:, 0] if self._y_1d else out
 
     @property
-    def coef_(self):
+    def coef_(self) -> np.ndarray:
         coef = self._solved()["coef"]
         return coef[0] if self._y_1d else coef
 
     @property
-    def intercept_(self):
+    def intercept_(self) -> float | np.ndarray:
         intercept = self._solved()["intercept"]
         # Ridge's: a float for one target or without an intercept.
         return float(intercept[0]) if self._y_1d or not self.fit_intercept else intercept
@@ -621,7 +626,8 @@ class StreamingRidgeClassifier(ClassifierMixin, _StreamingRidgeBase):
     _LAYOUT = ("classes_",)
 
     @_fit_context(prefer_skip_nested_validation=True)
-    def partial_fit(self, X, y, classes=None, sample_weight=None):
+    def partial_fit(self, X: ArrayLike, y: ArrayLike, classes: ArrayLike | None = None,
+                    sample_weight: float | ArrayLike | None = None) -> StreamingRidgeClassifier:
         """Add a batch's statistics.
 
         Parameters
@@ -643,7 +649,7 @@ class StreamingRidgeClassifier(ClassifierMixin, _StreamingRidgeBase):
                              "will hold so far (more can be added by later calls)")
         return self._fit(X, y, sample_weight, reset=first, classes=classes)
 
-    def decision_function(self, X):
+    def decision_function(self, X: ArrayLike) -> np.ndarray:
         """Confidence scores: the ridge fit of the ±1 codes.
 
         Parameters
@@ -659,7 +665,7 @@ class StreamingRidgeClassifier(ClassifierMixin, _StreamingRidgeBase):
         scores = self._linear(X)
         return scores[:, 0] if scores.shape[1] == 1 else scores
 
-    def predict(self, X):
+    def predict(self, X: ArrayLike) -> np.ndarray:
         """Predicted class labels (the highest score; for two classes, ``classes_[1]`` where it is > 0).
 
         Parameters
@@ -676,13 +682,13 @@ class StreamingRidgeClassifier(ClassifierMixin, _StreamingRidgeBase):
         return self.classes_[index]
 
     @property
-    def coef_(self):
+    def coef_(self) -> np.ndarray:
         coef = self._solved()["coef"]
         # RidgeClassifier's shapes: (n_features,) for two classes (intercept_ stays (1,)).
         return coef[0] if coef.shape[0] == 1 else coef
 
     @property
-    def intercept_(self):
+    def intercept_(self) -> float | np.ndarray:
         # RidgeClassifier's: 0.0 without an intercept.
         return self._solved()["intercept"] if self.fit_intercept else 0.0
 

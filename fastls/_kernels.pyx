@@ -2,8 +2,9 @@
 """Typed kernels over SciPy's BLAS/LAPACK.
 
 These functions trust their arguments: shapes, dtypes, layouts and finiteness
-are checked by the public wrappers in ``fastls._core``. Every matrix is passed
-as a memoryview together with its layout (``rowmajor``) and leading dimension
+are checked by the Python wrappers that call them (``fastls._products``,
+``_solve``, ``_conv_stats`` and the rest). Every matrix is passed as a
+memoryview together with its layout (``rowmajor``) and leading dimension
 (``ld``), because a C-ordered NumPy matrix is the transpose of the Fortran
 matrix BLAS sees at the same address.
 """
@@ -1069,7 +1070,7 @@ def avg_pool_into(const floating[:, :, :, ::1] images, floating[:, :, :, ::1] ou
 #
 # For a stride-1 k x k convolution, block (a, b) of P^T P (kernel offsets a, b)
 # is sum over q in window(a) of x[q]^T x[q + b - a]: a channel correlation at
-# the displacement b - a. The planner in _core.py splits the padded map into
+# the displacement b - a. The planner in _overlap.py splits the padded map into
 # bands so that every window is a union of cells, groups the cells of each
 # displacement that belong to the same set of windows, and lists the blocks
 # each group adds into. Here every group is one gather of its rows from the

@@ -15,14 +15,18 @@ O(d band^2 + d band k) per shift.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 import scipy.linalg
 import scipy.optimize
+from numpy.typing import ArrayLike
 
 from . import _kernels
-from ._core import (_basis_coordinates, _check_array, _check_basis_shape, _check_finite, _check_finite_upper,
-                    _check_system, gram_update, matmul, symmetrize)
+from ._products import gram_update, matmul, symmetrize
+from ._solve import _basis_coordinates, _check_basis_shape, _check_system
 from ._threads import sized_threads
+from ._validation import _check_array, _check_finite, _check_finite_upper
 
 __all__ = ["RidgePath", "DEFAULT_GRID"]
 
@@ -59,7 +63,14 @@ class RidgePath:
         Rows of X.
     """
 
-    def __init__(self, eigenvalues, V, B, residual_ss, n, center, basis, U=None, UtR=None, R=None, Z=None):
+    def __init__(self, eigenvalues: np.ndarray, V: np.ndarray, B: np.ndarray, residual_ss: float, n: int,
+                 center: np.ndarray | None, basis: np.ndarray | None, U: np.ndarray | None = None,
+                 UtR: np.ndarray | None = None, R: np.ndarray | None = None, Z: np.ndarray | None = None) -> None:
+        """From a factorization; build it with :meth:`from_statistics` or :meth:`from_rows`.
+
+        G = V diag(eigenvalues) V^T, B = V^T C, ``residual_ss`` = tr(R^T R);
+        from rows also X = U diag(s) V^T with U^T R and R itself (Z: the targets).
+        """
         self.eigenvalues = eigenvalues
         self.n = n
         self._V, self._B = V, B
@@ -77,8 +88,9 @@ class RidgePath:
 
     # -- construction --------------------------------------------------------
     @classmethod
-    def from_statistics(cls, G, C, zz, n, *, center=None, rhs_basis=None, overwrite_g=False, method="auto",
-                        band=DEFAULT_BAND):
+    def from_statistics(cls, G: np.ndarray, C: np.ndarray, zz: float, n: int, *, center: np.ndarray | None = None,
+                        rhs_basis: np.ndarray | None = None, overwrite_g: bool = False,
+                        method: Literal["auto", "eigh", "band"] = "auto", band: int = DEFAULT_BAND) -> RidgePath:
         """The path from summed statistics: GCV only.
 
         Parameters
@@ -102,9 +114,9 @@ class RidgePath:
         method : {'auto', 'eigh', 'band'}, default='auto'
             'eigh': one eigendecomposition (O(d k) per shift after it).
             'band': G reduced to a band by gemm, then a banded Cholesky per
-            shift (module docstring); its ``eigenvalues`` is None. 7x
-            faster than 'eigh' at d = 18,433; shifts so small that G + a I
-            does not factor in float64 score inf there. 'auto': 'band' from
+            shift (module docstring); its ``eigenvalues`` is None. Shifts
+            so small that G + a I does not factor in float64 score inf
+            there. 'auto': 'band' from
             ``BAND_MIN_DIMENSION`` on.
         band : int, default=64
             Bandwidth of the band route.
@@ -148,7 +160,8 @@ class RidgePath:
         return cls(evals, V, _dot(V.T, C64), max(zz, 0.0), n, M, basis)
 
     @classmethod
-    def from_rows(cls, X, Z, *, center=None, rhs_basis=None):
+    def from_rows(cls, X: np.ndarray, Z: np.ndarray, *, center: np.ndarray | None = None,
+                  rhs_basis: np.ndarray | None = None) -> RidgePath:
         """The path from the rows themselves (a thin SVD of X, from its smaller Gram): GCV and exact leave-one-out.
 
         Parameters
@@ -198,7 +211,7 @@ class RidgePath:
                    X.shape[0], M, basis, U=U, UtR=UtR, R=R, Z=Z64)
 
     # -- criteria -------------------------------------------------------------
-    def residual_ss(self, shifts):
+    def residual_ss(self, shifts: ArrayLike) -> np.ndarray:
         """RSS(a) = tr(R^T R) - sum_j ||B_j||^2 (lambda_j + 2 a) / (lambda_j + a)^2, per shift.
 
         From rows the same sum is formed without cancellation, as the part of R
@@ -214,13 +227,13 @@ class RidgePath:
         fit = ((lam + 2.0 * a[:, None]) / (lam + a[:, None]) ** 2) @ self._b2
         return np.maximum(self._rss0 - fit, 0.0)
 
-    def dof(self, shifts):
+    def dof(self, shifts: ArrayLike) -> np.ndarray:
         """Effective degrees of freedom sum_j lambda_j / (lambda_j + a), per shift."""
         a = _shifts(shifts)
         lam = self.eigenvalues[None, :]
         return (lam / (lam + a[:, None])).sum(axis=1)
 
-    def gcv(self, shifts):
+    def gcv(self, shifts: ArrayLike) -> np.ndarray:
         """GCV(a) = n RSS(a) / (n - dof(a))^2, per shift (inf where dof >= n).
 
         From statistics, RSS is tr(R^T R) minus the fit, accurate to about
@@ -237,7 +250,7 @@ class RidgePath:
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(slack > 0, self.n * rss / np.where(slack > 0, slack, 1.0) ** 2, np.inf)
 
-    def loo(self, shifts):
+    def loo(self, shifts: ArrayLike) -> np.ndarray:
         """Mean squared leave-one-out error (1/n) sum_i ||r_i - x_i W_(-i)(a)||^2, per shift (from_rows only).
 
         Exact: e_i = (r_i - x_i W(a)) / (1 - h_ii(a)) with the hat matrix
@@ -245,7 +258,7 @@ class RidgePath:
         """
         return self._loo_scores(_shifts(shifts))[0]
 
-    def loo_errors(self, shifts, labels):
+    def loo_errors(self, shifts: ArrayLike, labels: ArrayLike) -> np.ndarray:
         """Share of rows whose leave-one-out prediction is nearer another class's code than its own (from_rows only).
 
         The codes are the unit vectors of the targets' coordinates: the
@@ -305,7 +318,8 @@ class RidgePath:
             held_out = (self._R - fitted) / np.maximum(1.0 - leverage, np.finfo(np.float64).eps)[:, :, None]
             yield slice(first, first + step), held_out
 
-    def criterion(self, name, shifts, labels=None):
+    def criterion(self, name: Literal["gcv", "loo", "loo_class"], shifts: ArrayLike,
+                  labels: ArrayLike | None = None) -> np.ndarray:
         """``gcv``, ``loo`` or ``loo_class`` per shift.
 
         ``loo_class`` is the leave-one-out error rate of the class decision
@@ -324,12 +338,13 @@ class RidgePath:
         scale = max(self._rss0 / self.n, np.finfo(np.float64).tiny)
         return errors + squared / (squared + scale) / (2.0 * self.n)
 
-    def default_grid(self):
+    def default_grid(self) -> np.ndarray:
         """:data:`DEFAULT_GRID` times the mean eigenvalue (times 1 when G is 0)."""
         scale = float(self.eigenvalues.sum()) / max(len(self.eigenvalues), 1)
         return DEFAULT_GRID * (scale if scale > 0 else 1.0)
 
-    def select(self, criterion="gcv", shifts=None, refine=True, labels=None):
+    def select(self, criterion: Literal["gcv", "loo", "loo_class"] = "gcv", shifts: ArrayLike | None = None,
+               refine: bool = True, labels: ArrayLike | None = None) -> tuple[float, np.ndarray, np.ndarray]:
         """The shift that minimizes the criterion.
 
         Parameters
@@ -369,7 +384,7 @@ class RidgePath:
         return shift, grid, scores
 
     # -- solutions ------------------------------------------------------------
-    def solve(self, shift):
+    def solve(self, shift: float) -> np.ndarray:
         """W(a) = V diag(1 / (lambda + a)) B, plus the center when there is one.
 
         Returns
@@ -443,22 +458,22 @@ class _BandPath(RidgePath):
                 self._at[a] = (fit, _kernels.banded_inverse_trace(factor))
         return self._at[a]
 
-    def residual_ss(self, shifts):
+    def residual_ss(self, shifts: ArrayLike) -> np.ndarray:
         """As :meth:`RidgePath.residual_ss` (NaN where G + a I does not factor)."""
         fit = np.array([self._terms(a)[0] for a in _shifts(shifts)])
         return np.maximum(self._rss0 - fit, 0.0)
 
-    def dof(self, shifts):
+    def dof(self, shifts: ArrayLike) -> np.ndarray:
         """Effective degrees of freedom d - a trace((G + a I)^-1), per shift (NaN where it does not factor)."""
         a = _shifts(shifts)
         return self._lower.shape[1] - a * np.array([self._terms(value)[1] for value in a])
 
-    def default_grid(self):
+    def default_grid(self) -> np.ndarray:
         """:data:`DEFAULT_GRID` times the mean eigenvalue trace(G) / d (times 1 when G is 0)."""
         scale = self._trace / self._lower.shape[1]
         return DEFAULT_GRID * (scale if scale > 0 else 1.0)
 
-    def solve(self, shift):
+    def solve(self, shift: float) -> np.ndarray:
         """W(a) = Q (B + a I)^-1 Q^T C, plus the center when there is one (as :meth:`RidgePath.solve`)."""
         a = float(_shifts([shift])[0])
         factor = self._factor(a)
@@ -521,8 +536,8 @@ def _dot(A, B):
     """A @ B in float64 on SciPy's BLAS (:func:`fastls.matmul`).
 
     NumPy's ``@`` runs NumPy's own OpenBLAS, whose thread pool then spins
-    beside SciPy's between the products and the eigendecomposition: a path
-    from 600 rows of 785 features took 2.3x longer that way on 2 cores.
+    beside SciPy's between the products and the eigendecomposition
+    (docs/results/kernels_notes.md).
     """
     return matmul(np.asarray(A, dtype=np.float64), np.asarray(B, dtype=np.float64), check_finite=False)
 

@@ -7,10 +7,8 @@ own (im2col, tile additions) are single-threaded.
 Within the caller's limit each kernel runs ``max(1, flops // flops_per_thread)``
 threads: one thread per ``FLOPS_PER_THREAD`` of work. Below that, waking a
 second BLAS thread costs more than it saves, and two OpenBLAS pools (NumPy's
-and SciPy's each have one) that both wake threads on a 2-core machine fight
-for the cores: measured here, alternating a NumPy product and a SciPy Gram of
-1,024 x 61 rows was 8x slower with 2 threads than with 1
-(docs/results/threads.md). The count is set directly through OpenBLAS's
+and SciPy's each have one) that both wake threads on few cores fight for them
+(docs/results/kernels_notes.md). The count is set directly through OpenBLAS's
 ``openblas_set_num_threads`` of every OpenBLAS library threadpoolctl finds
 (pthreads builds; other BLAS libraries keep the caller's limit), process-wide,
 like threadpoolctl's limits.
@@ -23,6 +21,7 @@ import ctypes
 import itertools
 import numbers
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from threadpoolctl import ThreadpoolController
@@ -33,13 +32,9 @@ __all__ = ["limit_cores", "available_cores", "blas_info", "threads_for", "sized_
            "get_flops_per_thread", "set_flops_per_thread", "FLOPS_PER_THREAD", "thread_trials",
            "reset_thread_trials"]
 
-# Work (flops, 2 x multiply-adds; N d^2 for a Gram) that pays for one more BLAS
-# thread, measured on the 2-core development machine with one BLAS pool at work
-# by experiments/threads_report.py (docs/results/threads.md). The first grid fitted
-# anything from 3e4 to 5e5 and 2e5 was taken; the two later grids, on two VMs of
-# different speed, fitted 1e4: Cholesky ridge solves of d = 16-33 ran 1.2-1.45x
-# faster on 2 threads than on the 1 that 2e5 gave them, and nothing measured lost.
-# FASTLS_FLOPS_PER_THREAD overrides it (0: always the caller's limit).
+#: Work (flops, 2 x multiply-adds; N d^2 for a Gram) that pays for one more BLAS thread,
+#: fitted on 2-core machines by experiments/threads_report.py (docs/results/kernels_notes.md).
+#: FASTLS_FLOPS_PER_THREAD overrides it (0: always the caller's limit).
 FLOPS_PER_THREAD = 1e4
 
 _controller = None
@@ -60,7 +55,7 @@ def _get_controller():
     return _controller
 
 
-def available_cores():
+def available_cores() -> int:
     """Number of cores this process may run on (its CPU affinity)."""
     try:
         return len(os.sched_getaffinity(0))
@@ -69,7 +64,7 @@ def available_cores():
 
 
 @contextmanager
-def limit_cores(n_cores):
+def limit_cores(n_cores: int) -> Iterator[None]:
     """Run the enclosed kernels on at most ``n_cores`` BLAS threads.
 
     Parameters
@@ -83,8 +78,8 @@ def limit_cores(n_cores):
     The limit is process-wide while the block runs, as with threadpoolctl;
     previous limits are restored on exit, also on error. Blocks that overlap
     in time from several Python threads are not supported: each restores the
-    limit it found, so one that exits last can restore another's (measured:
-    two threads' interleaved blocks left the process at 1 thread for good).
+    limit it found, so one that exits last can restore another's, and
+    interleaved blocks can leave the process at 1 thread for good.
     fedlayer runs its clients' blocks one at a time.
     """
     if isinstance(n_cores, bool) or not isinstance(n_cores, numbers.Integral) or n_cores < 1:
@@ -93,7 +88,7 @@ def limit_cores(n_cores):
         yield
 
 
-def blas_info():
+def blas_info() -> list[dict]:
     """threadpoolctl's description of the BLAS libraries and their threads."""
     return [info for info in _get_controller().info() if info.get("user_api") == "blas"]
 
@@ -135,12 +130,12 @@ _flops_per_thread = _checked_flops(os.environ.get("FASTLS_FLOPS_PER_THREAD") or 
                                    "FASTLS_FLOPS_PER_THREAD")
 
 
-def get_flops_per_thread():
+def get_flops_per_thread() -> float:
     """Work (flops) that pays for one more BLAS thread; 0 means the caller's limit always applies."""
     return _flops_per_thread
 
 
-def set_flops_per_thread(flops):
+def set_flops_per_thread(flops: float) -> float:
     """Set the work per thread of the size rule (0 turns the rule off); returns the previous value.
 
     Parameters
@@ -158,7 +153,7 @@ def set_flops_per_thread(flops):
     return previous
 
 
-def threads_for(flops):
+def threads_for(flops: float) -> int:
     """BLAS threads the size rule gives a kernel of ``flops`` work, within the current limit.
 
     Parameters
@@ -239,16 +234,16 @@ class ThreadTrials:
         self._choice.clear()
 
 
-#: The timed choice of narrow Grams (see fastls._core.GRAM_MIN_THREADED_D).
+#: The timed choice of narrow Grams (see fastls._products.GRAM_MIN_THREADED_D).
 narrow_gram_trials = ThreadTrials()
 
 
-def thread_trials():
+def thread_trials() -> dict[tuple, int]:
     """What timing chose so far: {(dtype char, d, log2 rows, threads tried): threads chosen}, narrow Grams."""
     return narrow_gram_trials.choices()
 
 
-def reset_thread_trials():
+def reset_thread_trials() -> None:
     """Forget the thread counts learned by timing (e.g. after moving to other cores)."""
     narrow_gram_trials.reset()
 

@@ -3,21 +3,26 @@
 A client of the full-width DCNN builds a 2.7 GB float64 Gram per layer, and the
 overlap statistics hold 1.3 GB of per-group products; the next client asks
 for the same shapes. Fresh memory from the operating system is zeroed page by
-page on first touch, which on this kind of machine runs at 1-3 GB/s and cost
-about 1 s per client at d = 18,433. Handing back the previous array once
-nobody holds it turns that into a memset (or nothing).
+page on first touch, at a few GB/s (docs/results/kernels_notes.md). Handing
+back the previous array once nobody holds it turns that into a memset (or
+nothing).
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Hashable
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from ._threads import run_spans, threads_for
 
-__all__ = ["recycled_array", "release", "recycled_nbytes"]
+__all__ = ["recycled_array", "release", "recycled_nbytes", "DEFAULT_SCRATCH_BYTES"]
+
+#: Default bound on the working memory (patches, tiles, row slices) of one kernel call.
+DEFAULT_SCRATCH_BYTES = 64 * 2**20
 
 _held = {}
 _lock = threading.Lock()
@@ -25,11 +30,12 @@ _lock = threading.Lock()
 _UNSHARED_REFCOUNT = 2
 # Arrays at least this large are zeroed by as many threads as the caller's core
 # limit allows: the memset is memory-bound, and one thread leaves bandwidth
-# unused (a 2.7 GB G: 0.35 s on one thread, 0.19 s on two, on the 2-core VM).
+# unused (docs/results/kernels_notes.md).
 PARALLEL_ZERO_BYTES = 64 * 2**20
 
 
-def recycled_array(key, shape, dtype=np.float64, *, zero=True):
+def recycled_array(key: Hashable, shape: int | tuple[int, ...], dtype: DTypeLike = np.float64, *,
+                   zero: bool = True) -> np.ndarray:
     """A C-contiguous array, the memory of the last one handed out under ``key`` when it is free again.
 
     The previous array is reused only when nothing references it any more
@@ -67,7 +73,7 @@ def recycled_array(key, shape, dtype=np.float64, *, zero=True):
         return out
 
 
-def release(key=None):
+def release(key: Hashable | None = None) -> None:
     """Forget the array held under ``key`` (every key when None); its memory goes when nobody holds it."""
     with _lock:
         if key is None:
@@ -76,7 +82,7 @@ def release(key=None):
             _held.pop(key, None)
 
 
-def recycled_nbytes():
+def recycled_nbytes() -> int:
     """Bytes of the arrays held for reuse, whether or not a caller still uses them."""
     with _lock:
         return sum(a.nbytes for a in _held.values())

@@ -22,7 +22,7 @@ from ._validation import Options, check_param
 from .baselines import BASELINES, PERSONALIZED, BaselineClient, baseline_hyper, run_baseline
 from .baselines.cohort import ClientCohort
 from .baselines.models import MODEL_HIDDEN
-from .baselines.server import load_baseline_checkpoint
+from .baselines.server import BaselineCheckpoints, load_baseline_checkpoint
 from .client import Client, target_bases
 from .federated import VARIANTS, Variant, run_protocol
 from .secure import SecureServer
@@ -296,9 +296,9 @@ class BaselineAlgorithm(Algorithm):
         if config.resume and checkpoint.exists():
             resume = load_baseline_checkpoint(checkpoint, fingerprint)
         announce_rounds(progress, rounds - (len(resume["rounds"]) if resume else 0))
+        checkpoints = checkpoint and BaselineCheckpoints(checkpoint, config.checkpoint_every, fingerprint)
         outcome = run_baseline(transport, self.name, rounds, clock=clock, eval_every=config.eval_every,
-                               progress=progress, checkpoint=checkpoint, checkpoint_every=config.checkpoint_every,
-                               fingerprint=fingerprint, resume=resume, **hyper)
+                               progress=progress, checkpoints=checkpoints, resume=resume, **hyper)
         params = outcome["params"]
         return Outcome(
             rounds=outcome["rounds"], accuracy=outcome["accuracy"],

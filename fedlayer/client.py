@@ -32,7 +32,7 @@ __all__ = ["Client", "ClientDropout", "label_encoders", "encoder_widths", "targe
 #: than fastls's default chunk: on the DCNN's 4 x 4 x 2048 map, 256 MiB takes a
 #: client's ~450 images in one pass of thicker products (measured 4.4 s
 #: against 5.1 s for 375 images at 64 MiB).
-CLIENT_SCRATCH_BYTES = 4 * fastls.DEFAULT_SCRATCH_BYTES
+CLIENT_SCRATCH_BYTES = 4 * fastls.tuning.DEFAULT_SCRATCH_BYTES
 
 #: The widest activation of one forward step. Half of this machine's 32 MiB
 #: last-level cache: the first DCNN convolution (K = 76, memory-bound) then

@@ -749,8 +749,11 @@ def make_synthetic(
     check_param("n_users", n_users, _POSITIVE_INT)
     check_param("dim", dim, _POSITIVE_INT)
     check_param("n_classes", n_classes, [Interval(int, 2, None)])
+    return _draw_synthetic(np.random.default_rng(seed), alpha, beta, n_users, dim, n_classes)
 
-    rng = np.random.default_rng(seed)
+
+def _draw_synthetic(rng, alpha, beta, n_users, dim, n_classes):
+    """The users of :func:`make_synthetic`, every draw from ``rng`` in the reference code's order."""
     samples_per_user = (rng.lognormal(4, 2, n_users).astype(np.int64) + 50) * 5
     model_means = rng.normal(0, alpha, n_users)  # u_i, shared by W_i and b_i as in FedProx
     input_mean_centres = rng.normal(0, beta, n_users)  # B_i
@@ -832,29 +835,9 @@ def dirichlet_partition(
 
     rng = np.random.default_rng(seed)
     class_indices = [np.flatnonzero(labels == k) for k in np.unique(labels)]
-    size_cap = n_samples / n_clients
     smallest = 0
     for _ in range(max_retries):
-        parts: list[list[np.ndarray]] = [[] for _ in range(n_clients)]
-        sizes = np.zeros(n_clients, dtype=np.int64)
-        for indices in class_indices:
-            indices = rng.permutation(indices)
-            proportions = rng.dirichlet(np.full(n_clients, beta))
-            proportions = proportions * (sizes < size_cap)
-            total = proportions.sum()
-            if total <= 0:
-                # Every proportion of a non-full client underflowed to 0 (beta
-                # of 1e-5 and below): the whole class goes to one of them, the
-                # small-beta limit of the draw (an equal share among them made
-                # tiny betas the least skewed partitions of all).
-                proportions = np.zeros(n_clients)
-                proportions[rng.choice(np.flatnonzero(sizes < size_cap))] = 1.0
-                total = 1.0
-            proportions /= total
-            cut_points = (np.cumsum(proportions) * len(indices)).astype(np.int64)[:-1]
-            for client, chunk in enumerate(np.split(indices, cut_points)):
-                parts[client].append(chunk)
-                sizes[client] += len(chunk)
+        parts, sizes = _dirichlet_draw(rng, class_indices, n_clients, beta, n_samples / n_clients)
         smallest = int(sizes.min())
         if smallest >= min_samples:
             return [
@@ -866,6 +849,31 @@ def dirichlet_partition(
         f"min_samples={min_samples} samples (smallest in the last draw: {smallest}); use a larger "
         f"beta (got {beta}), fewer clients (got {n_clients}), a smaller min_samples, or more retries"
     )
+
+
+def _dirichlet_draw(rng, class_indices, n_clients, beta, size_cap):
+    """One draw of :func:`dirichlet_partition`: (per client, its chunks of each class; its sample count)."""
+    parts: list[list[np.ndarray]] = [[] for _ in range(n_clients)]
+    sizes = np.zeros(n_clients, dtype=np.int64)
+    for indices in class_indices:
+        indices = rng.permutation(indices)
+        proportions = rng.dirichlet(np.full(n_clients, beta))
+        proportions = proportions * (sizes < size_cap)
+        total = proportions.sum()
+        if total <= 0:
+            # Every proportion of a non-full client underflowed to 0 (beta
+            # of 1e-5 and below): the whole class goes to one of them, the
+            # small-beta limit of the draw (an equal share among them made
+            # tiny betas the least skewed partitions of all).
+            proportions = np.zeros(n_clients)
+            proportions[rng.choice(np.flatnonzero(sizes < size_cap))] = 1.0
+            total = 1.0
+        proportions /= total
+        cut_points = (np.cumsum(proportions) * len(indices)).astype(np.int64)[:-1]
+        for client, chunk in enumerate(np.split(indices, cut_points)):
+            parts[client].append(chunk)
+            sizes[client] += len(chunk)
+    return parts, sizes
 
 
 def train_test_split_per_client(
@@ -1003,36 +1011,45 @@ def load_federated(
     if dtype.kind != "f":
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
     partition_seed, split_seed = np.random.SeedSequence(seed).spawn(2)
-
     if canonical == "synthetic":
-        users = make_synthetic(
-            alpha=synthetic_alpha, beta=synthetic_beta, n_users=n_clients, seed=seed
-        )
-        n_classes, feature_shape = 10, (60,)
-        for x, y in users:
-            _validate_samples(x, y, n_classes, canonical)
-        sizes = [len(y) for _, y in users]
-        if min(sizes) < min_samples:
-            # The generator fixes every user's sample count; there is no partition to redraw.
-            raise ValueError(
-                f"synthetic: client {int(np.argmin(sizes))} holds {min(sizes)} samples, fewer than "
-                f"min_samples={min_samples}; Synthetic's sample counts come from the generator (at least 250 "
-                f"per client) and are not redrawn: lower --min-samples"
-            )
-        splits = train_test_split_per_client(
-            [np.arange(len(y)) for _, y in users], train_fraction, seed=split_seed
-        )
-        clients = [
-            ClientData(
-                x_train=x[train].astype(dtype),
-                y_train=y[train],
-                x_test=x[test].astype(dtype),
-                y_test=y[test],
-            )
-            for (x, y), (train, test) in zip(users, splits)
-        ]
-        return FederatedDataset(canonical, n_classes, feature_shape, clients)
+        users = make_synthetic(alpha=synthetic_alpha, beta=synthetic_beta, n_users=n_clients, seed=seed)
+        return _synthetic_federated(users, min_samples, train_fraction, split_seed, dtype)
+    return _image_federated(canonical, data_dir, n_clients, beta, min_samples, train_fraction,
+                            partition_seed, split_seed, dtype)
 
+
+def _synthetic_federated(users, min_samples, train_fraction, split_seed, dtype):
+    """:func:`load_federated` of Synthetic: each user of :func:`make_synthetic` one client, split per client."""
+    canonical = "synthetic"
+    n_classes, feature_shape = 10, (60,)
+    for x, y in users:
+        _validate_samples(x, y, n_classes, canonical)
+    sizes = [len(y) for _, y in users]
+    if min(sizes) < min_samples:
+        # The generator fixes every user's sample count; there is no partition to redraw.
+        raise ValueError(
+            f"synthetic: client {int(np.argmin(sizes))} holds {min(sizes)} samples, fewer than "
+            f"min_samples={min_samples}; Synthetic's sample counts come from the generator (at least 250 "
+            f"per client) and are not redrawn: lower --min-samples"
+        )
+    splits = train_test_split_per_client(
+        [np.arange(len(y)) for _, y in users], train_fraction, seed=split_seed
+    )
+    clients = [
+        ClientData(
+            x_train=x[train].astype(dtype),
+            y_train=y[train],
+            x_test=x[test].astype(dtype),
+            y_test=y[test],
+        )
+        for (x, y), (train, test) in zip(users, splits)
+    ]
+    return FederatedDataset(canonical, n_classes, feature_shape, clients)
+
+
+def _image_federated(canonical, data_dir, n_clients, beta, min_samples, train_fraction, partition_seed, split_seed,
+                     dtype):
+    """:func:`load_federated` of an image dataset: official splits pooled, partitioned, split per client."""
     if canonical == "cifar10":
         x_train, y_train, x_test, y_test = load_cifar10(data_dir)
     else:

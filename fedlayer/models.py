@@ -85,7 +85,7 @@ __all__ = [
 ]
 
 #: Default bound on the working memory of the streamed kernels (bytes): fastls's.
-DEFAULT_SCRATCH_BYTES = fastls.DEFAULT_SCRATCH_BYTES
+DEFAULT_SCRATCH_BYTES = fastls.tuning.DEFAULT_SCRATCH_BYTES
 
 #: Rows per chunk when a Dense layer builds ``[x, 1]``; the fastls float32
 #: block size, so a chunk is one BLAS call on the mixed-precision path too.
@@ -842,9 +842,9 @@ class Conv2d(TrainableLayer):
         return oh * ow
 
     def gram_flops(self, input_shape, n_samples):
-        im2col_macs, overlap_macs = fastls.conv_stats_cost(input_shape, self.kernel_size, stride=self.stride,
+        im2col_macs, overlap_macs = fastls.tuning.conv_stats_cost(input_shape, self.kernel_size, stride=self.stride,
                                                            padding=self.padding)
-        pick = fastls.conv_stats_method(input_shape, self.kernel_size, stride=self.stride, padding=self.padding,
+        pick = fastls.tuning.conv_stats_method(input_shape, self.kernel_size, stride=self.stride, padding=self.padding,
                                         images=n_samples)
         return 2.0 * n_samples * (overlap_macs if pick == "overlap" else im2col_macs)
 
@@ -870,7 +870,7 @@ class Conv2d(TrainableLayer):
             channels = (W.shape[0] - self.bias) // (self.kernel_size[0] * self.kernel_size[1])
             raise ValueError(f"{self!r} expects images with {channels} channels (B, H, W, {channels}), got {x.shape}")
         channels = x.shape[3]
-        method = fastls.conv2d_method(self.kernel_size, self.stride, channels, self.filters)
+        method = fastls.tuning.conv2d_method(self.kernel_size, self.stride, channels, self.filters)
         filters = _winograd_filters(W, channels) if method == "winograd" else None
         # fastls bounds the patches (or transformed tiles) of a chunk of images by scratch_bytes.
         return fastls.conv2d(x, W, self.kernel_size, stride=self.stride, padding=self.padding, bias=self.bias,
@@ -1371,21 +1371,26 @@ def build_model(name, input_shape, n_classes, *, width=1.0, dtype=np.float64, ne
     else:
         if len(input_shape) != 3:
             raise ValueError(f"the dcnn model needs image inputs (H, W, C), got input_shape {input_shape}")
-
-        def leaky():
-            return LeakyReLU(negative_slope)
-
-        layers = [
-            Conv2d(scaled(512), 5, padding=padding, activation=leaky()),
-            AvgPool2d(2),
-            Conv2d(scaled(1024), 3, padding=padding, activation=leaky()),
-            AvgPool2d(2),
-            Conv2d(scaled(2048), 3, padding=padding, activation=leaky()),
-            Conv2d(scaled(2048), 3, padding=padding, activation=leaky()),
-            Flatten(),
-            Dense(n_classes),
-        ]
+        layers = _dcnn_layers(scaled, n_classes, negative_slope, padding)
     return Model(layers, input_shape, dtype)
+
+
+def _dcnn_layers(scaled, n_classes, negative_slope, padding):
+    """The layers of :func:`build_model`'s "dcnn"; ``scaled(c)`` is the width of c channels."""
+
+    def leaky():
+        return LeakyReLU(negative_slope)
+
+    return [
+        Conv2d(scaled(512), 5, padding=padding, activation=leaky()),
+        AvgPool2d(2),
+        Conv2d(scaled(1024), 3, padding=padding, activation=leaky()),
+        AvgPool2d(2),
+        Conv2d(scaled(2048), 3, padding=padding, activation=leaky()),
+        Conv2d(scaled(2048), 3, padding=padding, activation=leaky()),
+        Flatten(),
+        Dense(n_classes),
+    ]
 
 
 def model_from_layers(specs, input_shape, dtype=np.float64):

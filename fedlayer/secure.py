@@ -559,10 +559,10 @@ def _add_masks(flat, key_sign_pairs, sources=(), code=None, checked=False):
     the chunk of ``flat`` is still in cache, instead of streaming ``flat`` and
     a fresh keystream through memory once per pair. Large vectors are split
     into spans of whole chunks, one per thread the caller's core limit allows
-    (``fastls.threads_for``); each span's encryptors start at the span's
+    (``fastls.tuning.threads_for``); each span's encryptors start at the span's
     counter block, and AES-CTR and NumPy's additions release the GIL.
     """
-    from fastls import threads_for
+    from fastls.tuning import threads_for
 
     n_words = flat.size
     n_chunks = -(-n_words // _CHUNK_WORDS)

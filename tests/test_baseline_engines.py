@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from fedlayer.baselines import BASELINES, BaselineClient, baseline_hyper, run_baseline
 from fedlayer.baselines.cohort import ClientCohort
-from fedlayer.baselines.server import Diverged, load_baseline_checkpoint
+from fedlayer.baselines.server import BaselineCheckpoints, Diverged, load_baseline_checkpoint
 from fedlayer.data import ClientData
 from fedlayer.timing import Clock
 from fedlayer.transport import InProcessTransport
@@ -108,11 +108,11 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, algorithm):
     straight, _ = train(data, algorithm, "dnn", "batched", rounds=5)
     path = tmp_path / "checkpoint.npz"
     fingerprint = {"algorithm": algorithm}
-    train(data, algorithm, "dnn", "batched", rounds=3, checkpoint=path, checkpoint_every=2, fingerprint=fingerprint)
+    checkpoints = BaselineCheckpoints(path, every=2, fingerprint=fingerprint)
+    train(data, algorithm, "dnn", "batched", rounds=3, checkpoints=checkpoints)
     state = load_baseline_checkpoint(path, fingerprint)
     assert len(state["rounds"]) == 3  # every 2 rounds and after the last
-    resumed, _ = train(data, algorithm, "dnn", "batched", rounds=5, checkpoint=path, checkpoint_every=2,
-                       fingerprint=fingerprint, resume=state)
+    resumed, _ = train(data, algorithm, "dnn", "batched", rounds=5, checkpoints=checkpoints, resume=state)
     assert np.array_equal(resumed["params"], straight["params"])
     assert [r["accuracy"] for r in resumed["rounds"]] == [r["accuracy"] for r in straight["rounds"]]
     assert resumed["best_accuracy"] == straight["best_accuracy"]
@@ -122,8 +122,8 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path, algorithm):
 
 def test_a_checkpoint_of_other_hyperparameters_is_refused_naming_both(tmp_path):
     path = tmp_path / "c.npz"
-    train(ragged_clients(5), "fedavg", "lr", "batched", rounds=1, checkpoint=path,
-          fingerprint={"hyperparameter lr": 0.02})
+    train(ragged_clients(5), "fedavg", "lr", "batched", rounds=1,
+          checkpoints=BaselineCheckpoints(path, fingerprint={"hyperparameter lr": 0.02}))
     with pytest.raises(ValueError, match=r"'hyperparameter lr': \(0.02, 0.5\)"):
         load_baseline_checkpoint(path, {"hyperparameter lr": 0.5})
 
@@ -142,8 +142,8 @@ def test_divergence_names_the_round_the_step_size_and_what_was_kept(tmp_path):
     clients = [_BlowsUpInRound3(i, d, "lr", N_CLASSES, 0) for i, d in enumerate(ragged_clients(6))]
     with pytest.raises(Diverged, match=r"fedavg diverged in round 3: .*\{'lr': 0.02, 'beta': 1.0\}.*"
                                        r"c.npz holds the state after round 2"):
-        run_baseline(InProcessTransport(clients), "fedavg", 10, lr=0.02, batch_size=8, checkpoint=path,
-                     checkpoint_every=2, fingerprint=fingerprint)
+        run_baseline(InProcessTransport(clients), "fedavg", 10, lr=0.02, batch_size=8,
+                     checkpoints=BaselineCheckpoints(path, every=2, fingerprint=fingerprint))
     state = load_baseline_checkpoint(path, fingerprint)  # still readable, and finite
     assert len(state["rounds"]) == 2 and np.isfinite(state["params"]).all()
     # A step size that overflows in the first round: no checkpoint yet, and the message says no more.
@@ -162,7 +162,8 @@ def test_a_run_that_grows_without_bound_is_diverged_before_it_overflows():
 def test_going_on_past_an_unscheduled_last_evaluation_repeats_the_straight_run(tmp_path):
     data, path, fingerprint = ragged_clients(8), tmp_path / "c.npz", {"algorithm": "fedavg"}
     straight, _ = train(data, "fedavg", "lr", "batched", rounds=4, eval_every=2)
-    train(data, "fedavg", "lr", "batched", rounds=3, eval_every=2, checkpoint=path, fingerprint=fingerprint)
+    train(data, "fedavg", "lr", "batched", rounds=3, eval_every=2,
+          checkpoints=BaselineCheckpoints(path, fingerprint=fingerprint))
     resumed, _ = train(data, "fedavg", "lr", "batched", rounds=4, eval_every=2,
                        resume=load_baseline_checkpoint(path, fingerprint))
     assert [r["accuracy"] for r in resumed["rounds"]] == [r["accuracy"] for r in straight["rounds"]]
@@ -219,3 +220,9 @@ def test_clients_of_several_cores_give_the_batched_parameters():
         hyper = {**small_hyper("fedzo", "dnn"), "b1": 20, "b2": 8, "local_iters": 6}
         outcomes.append(run_baseline(InProcessTransport(clients), "fedzo", 2, clock=Clock(), **hyper)["params"])
     assert rel(outcomes[1], outcomes[0]) <= 1e-10
+
+
+@pytest.mark.parametrize("every", [0, -2, 1.5, True])
+def test_checkpoints_are_written_every_whole_number_of_rounds(tmp_path, every):
+    with pytest.raises(ValueError, match=r"every n >= 1 rounds, got every="):
+        BaselineCheckpoints(tmp_path / "c.npz", every=every)

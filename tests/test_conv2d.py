@@ -84,13 +84,13 @@ def test_precomputed_filters_give_the_same_result(rng):
 
 
 def test_auto_takes_winograd_for_wide_3x3_stride_1():
-    m = fastls.WINOGRAD_MIN_CHANNELS
-    assert fastls.conv2d_method(3, 1, m, m) == "winograd"
-    assert fastls.conv2d_method((3, 3), (1, 1), m - 1, m) == "im2col"
-    assert fastls.conv2d_method(3, 1, m, m - 1) == "im2col"
-    assert fastls.conv2d_method(5, 1, 512, 512) == "im2col"
-    assert fastls.conv2d_method(3, 2, 512, 512) == "im2col"
-    assert fastls.conv2d_method(3, 1, 512, 512, "im2col") == "im2col"
+    m = fastls.tuning.WINOGRAD_MIN_CHANNELS
+    assert fastls.tuning.conv2d_method(3, 1, m, m) == "winograd"
+    assert fastls.tuning.conv2d_method((3, 3), (1, 1), m - 1, m) == "im2col"
+    assert fastls.tuning.conv2d_method(3, 1, m, m - 1) == "im2col"
+    assert fastls.tuning.conv2d_method(5, 1, 512, 512) == "im2col"
+    assert fastls.tuning.conv2d_method(3, 2, 512, 512) == "im2col"
+    assert fastls.tuning.conv2d_method(3, 1, 512, 512, "im2col") == "im2col"
 
 
 def test_conv2d_of_no_channels_or_no_filters(rng):

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastls
-from fastls._core import _overlap_plan
+from fastls._overlap import _overlap_plan
 from numeric_checks import assert_close
 
 
@@ -182,7 +182,7 @@ def test_small_scratch_takes_one_image_at_a_time(rng):
 
 @pytest.mark.parametrize("side,channels,kernel", [(14, 512, 3), (6, 1024, 3), (4, 2048, 3), (32, 3, 5)])
 def test_cost_model_of_the_paper_layers(side, channels, kernel):
-    im2col, overlap = fastls.conv_stats_cost((side, side, channels), kernel)
+    im2col, overlap = fastls.tuning.conv_stats_cost((side, side, channels), kernel)
     out = side - kernel + 1
     assert im2col == out * out * (kernel * kernel * channels) ** 2 / 2
     # Sum over the displacements of the area their products cover (the diagonal at half cost).
@@ -194,21 +194,21 @@ def test_cost_model_of_the_paper_layers(side, channels, kernel):
 def test_auto_picks_overlap_where_it_pays():
     for shape, expected in [((14, 14, 512), "overlap"), ((6, 6, 1024), "overlap"), ((4, 4, 2048), "overlap"),
                             ((32, 32, 3), "im2col"), ((14, 14, 8), "im2col")]:
-        assert fastls._core._pick_conv_method("auto", shape, (3, 3), (1, 1), (0, 0), True) == expected
-    assert fastls._core._pick_conv_method("auto", (14, 14, 512), (3, 3), (2, 2), (0, 0), True) == "im2col"
+        assert fastls._overlap._pick_conv_method("auto", shape, (3, 3), (1, 1), (0, 0), True) == expected
+    assert fastls._overlap._pick_conv_method("auto", (14, 14, 512), (3, 3), (2, 2), (0, 0), True) == "im2col"
     # Knowing the images per finish, the one pass over G decides on the small maps (measured on
     # 2026-11-28 with the finish that reads each product once: 32 images of 4x4x2048 take 0.41 s by
     # overlap against 0.35 s by im2col, 64 0.52 against 0.53, 100 0.65 against 0.74; on 6x6x1024, 16
     # images 0.156 against 0.128, 32 0.195 against 0.216, 48 0.24 against 0.30).
-    assert fastls.conv_stats_method((4, 4, 2048), 3, images=4) == "im2col"
-    assert fastls.conv_stats_method((4, 4, 2048), 3, images=32) == "im2col"
-    assert fastls.conv_stats_method((4, 4, 2048), 3, images=100) == "overlap"
-    assert fastls.conv_stats_method((4, 4, 2048), 3, images=450) == "overlap"
-    assert fastls.conv_stats_method((6, 6, 1024), 3, images=16) == "im2col"
-    assert fastls.conv_stats_method((6, 6, 1024), 3, images=32) == "overlap"
-    assert fastls.conv_stats_method((6, 6, 1024), 3, images=64) == "overlap"
-    assert fastls.conv_stats_method((14, 14, 512), 3, images=16) == "overlap"
-    assert fastls._core._pick_conv_method("auto", (14, 14, 512), (3, 3), (1, 1), (0, 0), False) == "im2col"
+    assert fastls.tuning.conv_stats_method((4, 4, 2048), 3, images=4) == "im2col"
+    assert fastls.tuning.conv_stats_method((4, 4, 2048), 3, images=32) == "im2col"
+    assert fastls.tuning.conv_stats_method((4, 4, 2048), 3, images=100) == "overlap"
+    assert fastls.tuning.conv_stats_method((4, 4, 2048), 3, images=450) == "overlap"
+    assert fastls.tuning.conv_stats_method((6, 6, 1024), 3, images=16) == "im2col"
+    assert fastls.tuning.conv_stats_method((6, 6, 1024), 3, images=32) == "overlap"
+    assert fastls.tuning.conv_stats_method((6, 6, 1024), 3, images=64) == "overlap"
+    assert fastls.tuning.conv_stats_method((14, 14, 512), 3, images=16) == "overlap"
+    assert fastls._overlap._pick_conv_method("auto", (14, 14, 512), (3, 3), (1, 1), (0, 0), False) == "im2col"
 
 
 def test_no_target_columns_still_give_the_gram(rng):
@@ -376,7 +376,7 @@ def test_recycled_products_never_leak_into_the_next_statistics(rng, images_dtype
 def test_finished_statistics_leave_their_products_zeroed_and_marked(rng, block_rows):
     # The fold (block_rows=3) and the finish zero each product as they read it, so the next
     # statistics of the same shape may accumulate into it without BLAS zeroing it first.
-    from fastls._core import _group_products, _overlap_plan
+    from fastls._overlap import _group_products, _overlap_plan
     images = rng.standard_normal((4, 7, 6, 3)).astype(np.float32)
     d = 9 * 3 + 1
     G, C = np.zeros((d, d)), np.zeros((d, 2))
@@ -412,16 +412,16 @@ def test_blocks_assembled_by_two_threads_equal_one_thread_bit_for_bit(rng, order
     if fastls.available_cores() < 2:
         pytest.skip("one core: the blocks cannot be split over two threads here")
     results = []
-    previous = fastls.set_flops_per_thread(0)  # every kernel at the caller's limit, however small
+    previous = fastls.tuning.set_flops_per_thread(0)  # every kernel at the caller's limit, however small
     try:
         for cores in (1, 2):
             G, C = np.zeros((d, d), order=order), np.zeros((d, 3))
             with fastls.limit_cores(cores):
-                assert fastls.threads_for(1.0) == cores
+                assert fastls.tuning.threads_for(1.0) == cores
                 fastls.conv_gram_update(G, C, images, targets, 3, append_ones=True, method="overlap")
             results.append(G)
     finally:
-        fastls.set_flops_per_thread(previous)
+        fastls.tuning.set_flops_per_thread(previous)
     np.testing.assert_array_equal(results[0], results[1])
     G_ref, _ = reference(images, targets, 3, 0, True)
     assert_close(np.triu(results[0]), np.triu(G_ref), images_dtype, 5 * 6 * 7)

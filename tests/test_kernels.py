@@ -111,7 +111,7 @@ def test_cross_update_float32_into_float64(rng, c_order):
 @pytest.mark.parametrize("out_order", ORDERS)
 def test_mixed_products_over_uneven_tiles(rng, monkeypatch, out_order):
     """float32 tiles of at most 7 columns over 20 x 20 and 20 x 9 outputs: 7 + 7 + 6 and 5 + 4 (even splits)."""
-    monkeypatch.setattr("fastls._core.DEFAULT_TILE", 7)
+    monkeypatch.setattr("fastls._products.DEFAULT_TILE", 7)
     X = random(rng, (150, 20), np.float32)
     Z = random(rng, (150, 9), np.float32, "F")
     G = np.zeros((20, 20), order=out_order)
@@ -131,7 +131,7 @@ def test_mixed_gram_across_transpose_blocks(rng, monkeypatch, out_order, d, tile
 
     600 ends on a partial block; 1030 in tiles of at most 520 is two diagonal tiles of 515.
     """
-    monkeypatch.setattr("fastls._core.DEFAULT_TILE", tile)
+    monkeypatch.setattr("fastls._products.DEFAULT_TILE", tile)
     X = random(rng, (300, d), np.float32)
     G = np.zeros((d, d), order=out_order)
     fastls.gram_update(G, X, block_rows=128)
@@ -487,7 +487,7 @@ def test_im2col_geometry_refuses_each_dimension(rng, shape, kernel_size, padding
 @pytest.mark.parametrize("call,message", [
     (lambda: fastls.conv_output_shape((5.5, 5), 3), "image_hw must be an int or a pair of ints"),
     (lambda: fastls.conv_output_shape((-5, 5), 3, padding=5), "image_hw must be positive"),
-    (lambda: fastls.conv_stats_cost((5, 5, -3), 3), "image_shape must be three positive ints"),
+    (lambda: fastls.tuning.conv_stats_cost((5, 5, -3), 3), "image_shape must be three positive ints"),
     (lambda: fastls.ConvStats(np.zeros((46, 46)), np.zeros((46, 1)), (5.7, 5, 5), 3, append_ones=True),
      "image_shape must be three positive ints"),
     (lambda: fastls.proximal_cost(-5, 3, 4), "n must be a finite number >= 0"),
@@ -663,9 +663,9 @@ def test_dual_proximal_solve_checks_its_inputs(rng):
 
 def test_dual_proximal_solve_over_many_row_slices_equals_the_primal(rng, monkeypatch):
     """The dual's products run over row slices of DEFAULT_SCRATCH_BYTES; slices of 3 rows over 10."""
-    import fastls._core
+    import fastls._solve
 
-    monkeypatch.setattr(fastls._core, "DEFAULT_SCRATCH_BYTES", 3 * 12 * 8)
+    monkeypatch.setattr(fastls._solve, "DEFAULT_SCRATCH_BYTES", 3 * 12 * 8)
     X, Z, M = rng.standard_normal((10, 12)), rng.standard_normal((10, 3)), rng.standard_normal((12, 3))
     W = fastls.proximal_solve_dual(X, Z, 2.0, M)
     assert_close(W, np.linalg.solve(X.T @ X + 2.0 * np.eye(12), X.T @ Z + 2.0 * M), np.float64, rtol=1e-10)
@@ -842,7 +842,7 @@ def test_wide_solves_in_panels_match_numpy(rng, small_panels, dtype, g_order, d)
 @pytest.mark.parametrize("uplo_order", ORDERS)
 def test_the_panel_cholesky_reports_where_it_fails(rng, small_panels, uplo_order):
     from fastls import _kernels
-    from fastls._core import _layout
+    from fastls._validation import _layout
 
     d = 90
     X = rng.standard_normal((2 * d, d))

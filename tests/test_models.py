@@ -346,13 +346,13 @@ def test_conv_pre_activation_matches_loop(rng, shape, kernel, stride, padding, b
 def test_wide_3x3_convolutions_run_winograd_with_one_transform_per_shared_weights(rng):
     from fedlayer import models
 
-    channels, filters = fastls.WINOGRAD_MIN_CHANNELS, fastls.WINOGRAD_MIN_CHANNELS + 1
+    channels, filters = fastls.tuning.WINOGRAD_MIN_CHANNELS, fastls.tuning.WINOGRAD_MIN_CHANNELS + 1
     layer = Conv2d(filters, 3, padding=1, activation="leaky_relu")
     x = random(rng, (2, 5, 6, channels))
     W = random(rng, layer.ls_shape(x.shape[1:]))
     W.flags.writeable = False  # shared weights are read-only: installed as they are, transformed once
     layer.set_weights(W)
-    assert fastls.conv2d_method(layer.kernel_size, layer.stride, channels, filters) == "winograd"
+    assert fastls.tuning.conv2d_method(layer.kernel_size, layer.stride, channels, filters) == "winograd"
     ref = naive_conv(x, W, layer.kernel_size, layer.stride, (1, 1), True)
     assert_close(layer.pre_activation(x), ref, np.float64, 16 * W.shape[0])
     held = models._WINOGRAD_FILTERS[id(W)][1]

@@ -23,9 +23,9 @@ def blas_threads():
 @pytest.fixture
 def rule():
     """Restore the size rule after a test that changes it."""
-    previous = fastls.get_flops_per_thread()
+    previous = fastls.tuning.get_flops_per_thread()
     yield
-    fastls.set_flops_per_thread(previous)
+    fastls.tuning.set_flops_per_thread(previous)
 
 
 # ---------------------------------------------------------------------------
@@ -93,42 +93,42 @@ def test_matmul_refuses_a_read_only_out():
 # ---------------------------------------------------------------------------
 
 def test_small_work_runs_one_thread_and_large_work_the_callers_limit(rule):
-    fastls.set_flops_per_thread(1e6)
+    fastls.tuning.set_flops_per_thread(1e6)
     with fastls.limit_cores(2):
-        assert fastls.threads_for(1e3) == 1
-        assert fastls.threads_for(1.9e6) == 1
-        assert fastls.threads_for(2e6) == 2
-        assert fastls.threads_for(1e12) == 2   # never more than the caller allows
+        assert fastls.tuning.threads_for(1e3) == 1
+        assert fastls.tuning.threads_for(1.9e6) == 1
+        assert fastls.tuning.threads_for(2e6) == 2
+        assert fastls.tuning.threads_for(1e12) == 2   # never more than the caller allows
     with fastls.limit_cores(1):
-        assert fastls.threads_for(1e12) == 1
-    fastls.set_flops_per_thread(0)             # rule off: the caller's limit whatever the size
+        assert fastls.tuning.threads_for(1e12) == 1
+    fastls.tuning.set_flops_per_thread(0)             # rule off: the caller's limit whatever the size
     with fastls.limit_cores(2):
-        assert fastls.threads_for(1.0) == 2
+        assert fastls.tuning.threads_for(1.0) == 2
 
 
 @settings(max_examples=60, deadline=None)
 @given(flops=st.floats(0, 1e13), more=st.floats(0, 1e13), cores=st.integers(1, 4),
        per_thread=st.floats(1, 1e9))
 def test_threads_stay_within_the_limit_and_grow_with_the_work(flops, more, cores, per_thread):
-    previous = fastls.set_flops_per_thread(per_thread)
+    previous = fastls.tuning.set_flops_per_thread(per_thread)
     try:
         with fastls.limit_cores(cores):
-            few, many = fastls.threads_for(flops), fastls.threads_for(flops + more)
+            few, many = fastls.tuning.threads_for(flops), fastls.tuning.threads_for(flops + more)
         assert 1 <= few <= many <= cores
     finally:
-        fastls.set_flops_per_thread(previous)
+        fastls.tuning.set_flops_per_thread(previous)
 
 
 def test_sized_threads_lowers_and_restores_the_blas_threads(rule):
-    fastls.set_flops_per_thread(1e6)
+    fastls.tuning.set_flops_per_thread(1e6)
     with fastls.limit_cores(2):
-        with fastls.sized_threads(1e3):
+        with fastls.tuning.sized_threads(1e3):
             assert blas_threads() and all(n == 1 for n in blas_threads())
         assert all(n == 2 for n in blas_threads())
-        with fastls.sized_threads(1e9):
+        with fastls.tuning.sized_threads(1e9):
             assert all(n == 2 for n in blas_threads())
         with pytest.raises(RuntimeError, match="inside"):
-            with fastls.sized_threads(1e3):
+            with fastls.tuning.sized_threads(1e3):
                 raise RuntimeError("inside")
         assert all(n == 2 for n in blas_threads())
 
@@ -136,7 +136,7 @@ def test_sized_threads_lowers_and_restores_the_blas_threads(rule):
 @pytest.mark.parametrize("per_thread", [1e4, 1e12])
 def test_kernels_give_the_same_numbers_whatever_the_thread_count(rng, rule, per_thread):
     # 1e4 flops per thread: every kernel below runs 2 threads; 1e12: every one runs 1.
-    fastls.set_flops_per_thread(per_thread)
+    fastls.tuning.set_flops_per_thread(per_thread)
     X, Z = rng.standard_normal((2000, 129)), rng.standard_normal((2000, 10))
     with fastls.limit_cores(2):
         G = fastls.gram_update(np.zeros((129, 129)), X)
@@ -152,13 +152,13 @@ def test_kernels_give_the_same_numbers_whatever_the_thread_count(rng, rule, per_
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "many"])
 def test_set_flops_per_thread_rejects_bad_values(rule, bad):
     with pytest.raises(ValueError, match="flops must be a finite number >= 0"):
-        fastls.set_flops_per_thread(bad)
+        fastls.tuning.set_flops_per_thread(bad)
 
 
 @pytest.mark.parametrize("value,expected", [("123", "123.0"), ("0", "0.0")])
 def test_environment_sets_the_rule(value, expected):
     env = {**os.environ, "FASTLS_FLOPS_PER_THREAD": value}
-    out = subprocess.run([sys.executable, "-c", "import fastls; print(fastls.get_flops_per_thread())"],
+    out = subprocess.run([sys.executable, "-c", "import fastls; print(fastls.tuning.get_flops_per_thread())"],
                          capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == expected
@@ -178,7 +178,7 @@ def gram_threads(rule, monkeypatch):
     """The BLAS thread count of every Gram product, in call order, under the 1e4 rule."""
     from fastls import _kernels
 
-    fastls.set_flops_per_thread(1e4)
+    fastls.tuning.set_flops_per_thread(1e4)
     seen = []
     gram_same = _kernels.gram_same
 
@@ -191,7 +191,7 @@ def gram_threads(rule, monkeypatch):
 
 
 class _FakeClock:
-    """perf_counter for fastls._core: each Gram advances it by a time set per thread count."""
+    """perf_counter for fastls._products: each Gram advances it by a time set per thread count."""
 
     def __init__(self):
         self.now = 0.0
@@ -203,11 +203,11 @@ class _FakeClock:
 @pytest.fixture
 def timed_narrow_grams(gram_threads, monkeypatch):
     """(gram_threads' record, seconds per call by thread count, to fill) on a fake clock, thread trials fresh."""
-    from fastls import _core, _kernels
+    from fastls import _kernels, _products
 
-    fastls.reset_thread_trials()
+    fastls.tuning.reset_thread_trials()
     clock, seconds = _FakeClock(), {}
-    monkeypatch.setattr(_core, "time", clock)
+    monkeypatch.setattr(_products, "time", clock)
     recording = _kernels.gram_same
 
     def timed(*args):
@@ -216,19 +216,19 @@ def timed_narrow_grams(gram_threads, monkeypatch):
 
     monkeypatch.setattr(_kernels, "gram_same", timed)
     yield gram_threads, seconds
-    fastls.reset_thread_trials()
+    fastls.tuning.reset_thread_trials()
 
 
 @pytest.mark.parametrize("one, two, faster", [(1.0, 1.5, 1), (1.5, 1.0, 2), (1.03, 1.0, 1)],
                          ids=["one-thread-faster", "two-threads-faster", "near-tie-keeps-one"])
 def test_narrow_grams_time_both_thread_counts_then_keep_the_faster(rng, timed_narrow_grams, one, two, faster):
-    from fastls import _core
+    from fastls import _products
 
     seen, seconds = timed_narrow_grams
     seconds.update({1: one, 2: two})
     d = 64
     rows = 4096
-    assert d < _core.GRAM_MIN_THREADED_D and rows * d * d >= _core.GRAM_MIN_THREADED_FLOPS
+    assert d < _products.GRAM_MIN_THREADED_D and rows * d * d >= _products.GRAM_MIN_THREADED_FLOPS
     X = rng.standard_normal((rows, d))
     G = np.zeros((d, d))
     with fastls.limit_cores(2):
@@ -236,7 +236,7 @@ def test_narrow_grams_time_both_thread_counts_then_keep_the_faster(rng, timed_na
             fastls.gram_update(G, X, check_finite=False)
     block = fastls._threads.narrow_gram_trials.trials + 1
     assert seen == [1] * block + [2] * block + [faster] * (10 - 2 * block)
-    assert fastls.thread_trials() == {("d", d, rows.bit_length(), 2): faster}
+    assert fastls.tuning.thread_trials() == {("d", d, rows.bit_length(), 2): faster}
     assert_close(np.triu(G), 10 * np.triu(X.T @ X), np.float64, n_terms=10 * rows)
     # Another kind (rows of another power of two, or another dtype) is timed afresh.
     seen.clear()
@@ -252,25 +252,25 @@ def test_narrow_grams_are_not_timed_without_a_choice(rng, timed_narrow_grams):
     X = rng.standard_normal((4096, 64))
     with fastls.limit_cores(1):  # one thread allowed: nothing to choose
         fastls.gram_update(np.zeros((64, 64)), X, check_finite=False)
-    fastls.set_flops_per_thread(0)  # the rule off: the caller's limit, untimed
+    fastls.tuning.set_flops_per_thread(0)  # the rule off: the caller's limit, untimed
     with fastls.limit_cores(2):
         fastls.gram_update(np.zeros((64, 64)), X, check_finite=False)
     assert seen == [1, 2]
-    assert fastls.thread_trials() == {}
+    assert fastls.tuning.thread_trials() == {}
 
 
 def test_grams_below_the_work_floor_run_one_blas_thread(rng, gram_threads):
-    from fastls import _core
+    from fastls import _products
 
     seen = gram_threads
     d = 129
     # Rows that put the work just below and just above GRAM_MIN_THREADED_FLOPS.
-    below = int(_core.GRAM_MIN_THREADED_FLOPS // (d * d))
+    below = int(_products.GRAM_MIN_THREADED_FLOPS // (d * d))
     X = rng.standard_normal((below + 2, d))
     with fastls.limit_cores(2):
         fastls.gram_update(np.zeros((d, d)), X[:below], check_finite=False)
         fastls.gram_update(np.zeros((d, d)), X, check_finite=False)
-    assert below * d * d < _core.GRAM_MIN_THREADED_FLOPS <= X.shape[0] * d * d
+    assert below * d * d < _products.GRAM_MIN_THREADED_FLOPS <= X.shape[0] * d * d
     assert seen == [1, 2]
 
 
@@ -289,5 +289,5 @@ def test_thread_trials_planned_at_once_from_several_threads_do_not_fail():
         if trial is None:
             break
         trials.record(trial, 1.0 if trial[1] else 2.0, 1e12)
-    if fastls.threads_for(1e12) > 1:  # a machine of one core never times this kind
-        assert trials.choices() == {(*key, fastls.threads_for(1e12)): fastls.threads_for(1e12)}
+    if fastls.tuning.threads_for(1e12) > 1:  # a machine of one core never times this kind
+        assert trials.choices() == {(*key, fastls.tuning.threads_for(1e12)): fastls.tuning.threads_for(1e12)}

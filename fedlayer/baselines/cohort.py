@@ -232,7 +232,8 @@ class ClientCohort:
             W -= g
         return W, None
 
-    def _moreau(self, lo, rngs, W, inner_grad, *, lr, personal_lr, lamda, K, batch_size, local_epochs):
+    def _moreau(self, lo, rngs, W, inner_grad, *, lr, personal_lr, lamda, K=5, batch_size=20, local_epochs=20):
+        """pFedMe's local rounds: K inner steps of theta on ``inner_grad`` per batch, then one outer step of W."""
         theta = W.copy()
         work = self._buffer("moreau", W.shape)
         for _ in range(int(local_epochs)):
@@ -242,12 +243,11 @@ class ClientCohort:
             moreau_outer_step(W, theta, lr, lamda, work)
         return W, theta
 
-    def _pfedme(self, lo, rngs, streams, W, *, lr, personal_lr, lamda, K=5, batch_size=20, local_epochs=20):
-        return self._moreau(lo, rngs, W, self._grad, lr=lr, personal_lr=personal_lr, lamda=lamda, K=K,
-                            batch_size=batch_size, local_epochs=local_epochs)
+    def _pfedme(self, lo, rngs, streams, W, **moreau):
+        """:meth:`_moreau` on exact gradients; ``moreau``: its hyperparameters."""
+        return self._moreau(lo, rngs, W, self._grad, **moreau)
 
-    def _pfedzo(self, lo, rngs, streams, W, *, lr, personal_lr, lamda, K=5, batch_size=20, local_epochs=20,
-                b2=20, mu=1e-3):
+    def _pfedzo(self, lo, rngs, streams, W, *, b2=20, mu=1e-3, **moreau):
+        """:meth:`_moreau` on zeroth-order estimates over ``b2`` sphere directions at smoothing ``mu``."""
         return self._moreau(lo, rngs, W, lambda theta, batch: self._estimate(streams, theta, batch, b2, mu, True),
-                            lr=lr, personal_lr=personal_lr, lamda=lamda, K=K, batch_size=batch_size,
-                            local_epochs=local_epochs)
+                            **moreau)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import numbers
+import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -11,8 +14,8 @@ from ..timing import Clock, RoundLog, payload_bytes
 from ..transport import overall_accuracy
 from .hyper import BASELINES
 
-__all__ = ["DIVERGED_SIZE", "PERSONALIZED", "Diverged", "load_baseline_checkpoint", "run_baseline",
-           "save_baseline_checkpoint"]
+__all__ = ["DIVERGED_SIZE", "PERSONALIZED", "BaselineCheckpoints", "Diverged", "load_baseline_checkpoint",
+           "run_baseline", "save_baseline_checkpoint"]
 
 _FORMAT = "fedlayer-baseline-checkpoint-1"
 #: Fingerprint keys newer than the format (a checkpoint without one was written before it was checked).
@@ -58,8 +61,30 @@ STEP_SIZES = ("lr", "personal_lr", "lamda", "beta", "mu", "sigma")
 PERSONALIZED = ("pfedme", "pfedzo")
 
 
+@dataclass(frozen=True)
+class BaselineCheckpoints:
+    """Where and how often :func:`run_baseline` writes its state (:func:`save_baseline_checkpoint`).
+
+    Parameters
+    ----------
+    path : path
+        The checkpoint file, written atomically after every ``every``-th round and the last.
+    every : int >= 1, default=10
+    fingerprint : dict or None
+        The settings that determine the parameters, stored with the state.
+    """
+
+    path: str | os.PathLike
+    every: int = 10
+    fingerprint: dict | None = None
+
+    def __post_init__(self):
+        if isinstance(self.every, bool) or not isinstance(self.every, numbers.Integral) or self.every < 1:
+            raise ValueError(f"checkpoints are written every n >= 1 rounds, got every={self.every!r}")
+
+
 def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, progress=None,
-                 init_params=None, checkpoint=None, checkpoint_every=10, fingerprint=None, resume=None, **hyper):
+                 init_params=None, checkpoints=None, resume=None, **hyper):
     """Run a baseline for ``rounds`` rounds over ``transport``'s clients (all participate every round).
 
     Parameters
@@ -75,12 +100,8 @@ def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, p
     progress : callable(str) or None
     init_params : flat ndarray or None
         Initial global parameters; None asks the first client for the seeded ones.
-    checkpoint : path or None
-        Where the state is written atomically after every ``checkpoint_every``-th
-        round and the last (:func:`save_baseline_checkpoint`, with ``fingerprint``).
-    checkpoint_every : int
-    fingerprint : dict or None
-        The settings that determine the parameters, stored with the checkpoint.
+    checkpoints : BaselineCheckpoints or None
+        Where and how often the state is written; None writes none.
     resume : dict or None
         A state from :func:`load_baseline_checkpoint`: training goes on after
         its last round (nothing is trained when it already holds ``rounds``).
@@ -102,26 +123,15 @@ def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, p
     algorithm = str(algorithm).lower()
     if algorithm not in BASELINES:
         raise ValueError(f"unknown baseline {algorithm!r}; choose one of {sorted(BASELINES)}")
-    if int(rounds) < 1 or int(eval_every) < 1 or int(checkpoint_every) < 1:
-        raise ValueError(f"rounds, eval_every and checkpoint_every must be >= 1, got {rounds}, {eval_every} "
-                         f"and {checkpoint_every}")
-    hyper = dict(hyper)
-    hyper.pop("rounds", None)
+    if int(rounds) < 1 or int(eval_every) < 1:
+        raise ValueError(f"rounds and eval_every must be >= 1, got {rounds} and {eval_every}")
+    hyper = {key: value for key, value in hyper.items() if key != "rounds"}
     beta = float(hyper.pop("beta", 1.0))
     personalized = algorithm in PERSONALIZED
     cids = transport.client_ids
     records, best = [], None
     if resume is not None:
-        init_params, records, best = resume["params"], list(resume["rounds"]), resume["best_accuracy"]
-        if len(records) > int(rounds):
-            raise ValueError(f"the checkpoint {checkpoint} holds {len(records)} rounds of {algorithm}, more than "
-                             f"the {rounds} asked for: ask for at least {len(records)} rounds, or remove it to "
-                             f"start over")
-        if len(records) < int(rounds) and len(records) % int(eval_every) and records[-1]["accuracy"] is not None:
-            # The earlier run's last round was scored because it was last; going on, it is off the schedule.
-            records[-1] = {**records[-1], "accuracy": None}
-            scored = [record["accuracy"] for record in records if record["accuracy"] is not None]
-            best = max(scored) if scored else None
+        init_params, records, best = _resumed(resume, algorithm, int(rounds), int(eval_every), checkpoints)
     elif init_params is None:
         (_, first), = transport.call("initial_params", {cids[0]: {}})
         init_params = first["params"]
@@ -131,43 +141,74 @@ def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, p
     for r in range(len(records), int(rounds)):
         round_start = time.perf_counter()
         log = RoundLog("federated", None, clock)
-        args = {cid: {"algorithm": algorithm, "params": w, "round_index": r, **hyper} for cid in cids}
-        total_n = 0
-        acc_sum = np.zeros_like(w)
-        # Summed in the clients' order, not as they arrive: the same weights in process and under MPI (the
-        # zeroth-order estimates would amplify a different rounding of the sum).
-        results = dict(transport.call("local_train", args))
-        for cid in cids:
-            result = results.pop(cid)
-            log.arrived(cid, result["compute_s"], payload_bytes({"params": result["params"], "n": result["n"]}))
-            log.sent(cid, w.nbytes)
-            acc_sum += result["n"] * result["params"]
-            total_n += result["n"]
-            del result
+        weighted_sum, total_n = _local_rounds(transport, log, {"algorithm": algorithm, "params": w, "round_index": r,
+                                                               **hyper})
         start = time.perf_counter()
-        mean = acc_sum / total_n
+        mean = weighted_sum / total_n
         w = (1.0 - beta) * w + beta * mean if personalized else mean
         log.server_s = time.perf_counter() - start
-        largest = float(np.max(np.abs(w))) if w.size else 0.0
-        if not largest <= DIVERGED_SIZE:  # NaN compares false too
-            # Scored, a NaN model predicts one class everywhere: a number that looks like a result.
-            steps = {k: v for k, v in {**hyper, "beta": beta}.items() if k in STEP_SIZES}
-            kept = f"; {checkpoint} holds the state after round {saved}" if saved else ""
-            what = "hold NaN or Inf" if not np.isfinite(largest) else f"reach {largest:.3g} in absolute value"
-            raise Diverged(f"{algorithm} diverged in round {r + 1}: its global parameters {what} ({steps}); "
-                           f"lower the step sizes (--hyper){kept}")
+        kept = f"; {checkpoints.path} holds the state after round {saved}" if saved and checkpoints else ""
+        _raise_if_diverged(w, algorithm, r, {**hyper, "beta": beta}, kept)
         accuracy = None
         if (r + 1) % int(eval_every) == 0 or r + 1 == int(rounds):
             # Personalized baselines score each client's own theta; the others the global w.
-            args = {cid: ({} if personalized else {"params": w}) for cid in cids}
-            accuracy = overall_accuracy(transport, args)
+            accuracy = overall_accuracy(transport, {cid: ({} if personalized else {"params": w}) for cid in cids})
             best = accuracy if best is None or accuracy > best else best
         records.append({**log.record(accuracy), "wall_s": time.perf_counter() - round_start})
-        if checkpoint is not None and ((r + 1) % int(checkpoint_every) == 0 or r + 1 == int(rounds)):
-            save_baseline_checkpoint(checkpoint, fingerprint=fingerprint, params=w, rounds=records,
+        if checkpoints is not None and ((r + 1) % checkpoints.every == 0 or r + 1 == int(rounds)):
+            save_baseline_checkpoint(checkpoints.path, fingerprint=checkpoints.fingerprint, params=w, rounds=records,
                                      best_accuracy=best)
             saved = r + 1
         if progress:
             progress(f"{algorithm} round {r + 1}/{rounds}"
                      + (f", accuracy {accuracy:.4f}" if accuracy is not None else ""))
     return {"rounds": records, "accuracy": records[-1]["accuracy"], "best_accuracy": best, "params": w}
+
+
+def _resumed(resume, algorithm, rounds, eval_every, checkpoints):
+    """(params, records, best accuracy) to go on from a checkpoint's ``resume`` state towards ``rounds``."""
+    records, best = list(resume["rounds"]), resume["best_accuracy"]
+    if len(records) > rounds:
+        path = None if checkpoints is None else checkpoints.path
+        raise ValueError(f"the checkpoint {path} holds {len(records)} rounds of {algorithm}, more than "
+                         f"the {rounds} asked for: ask for at least {len(records)} rounds, or remove it to "
+                         f"start over")
+    if len(records) < rounds and len(records) % eval_every and records[-1]["accuracy"] is not None:
+        # The earlier run's last round was scored because it was last; going on, it is off the schedule.
+        records[-1] = {**records[-1], "accuracy": None}
+        scored = [record["accuracy"] for record in records if record["accuracy"] is not None]
+        best = max(scored) if scored else None
+    return resume["params"], records, best
+
+
+def _local_rounds(transport, log, args):
+    """Every client's local training from the same ``args``: (sum of n_i params_i, sum of n_i), logged."""
+    w = args["params"]
+    cids = transport.client_ids
+    total_n = 0
+    acc_sum = np.zeros_like(w)
+    # Summed in the clients' order, not as they arrive: the same weights in process and under MPI (the
+    # zeroth-order estimates would amplify a different rounding of the sum).
+    results = dict(transport.call("local_train", {cid: dict(args) for cid in cids}))
+    for cid in cids:
+        result = results.pop(cid)
+        log.arrived(cid, result["compute_s"], payload_bytes({"params": result["params"], "n": result["n"]}))
+        log.sent(cid, w.nbytes)
+        acc_sum += result["n"] * result["params"]
+        total_n += result["n"]
+        del result
+    return acc_sum, total_n
+
+
+def _raise_if_diverged(w, algorithm, r, steps, kept):
+    """Raise :class:`Diverged` when round ``r`` left ``w`` non-finite or past :data:`DIVERGED_SIZE`.
+
+    ``kept`` ends the message: what the checkpoint on disk still holds, if anything.
+    """
+    largest = float(np.max(np.abs(w))) if w.size else 0.0
+    if not largest <= DIVERGED_SIZE:  # NaN compares false too
+        # Scored, a NaN model predicts one class everywhere: a number that looks like a result.
+        steps = {k: v for k, v in steps.items() if k in STEP_SIZES}
+        what = "hold NaN or Inf" if not np.isfinite(largest) else f"reach {largest:.3g} in absolute value"
+        raise Diverged(f"{algorithm} diverged in round {r + 1}: its global parameters {what} ({steps}); "
+                       f"lower the step sizes (--hyper){kept}")
