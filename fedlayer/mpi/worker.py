@@ -74,14 +74,14 @@ class Worker:
         self.rank = comm.Get_rank()
         self.chunk = configured_chunk_bytes()
         self.hooks = WorkerHooks() if hooks is None else hooks
-        self.greet = clients is not None
+        self._says_hello = clients is not None  # None: its startup failed and was reported; it awaits the stop
         self.clients = {} if clients is None else {c.client_id: c for c in clients}
         self._status = MPI.Status()
         self._partial_sends = []  # the last command's partial sums in flight: (Isend request, buffers it reads)
 
     def serve(self):
         """Answer commands until a STOP; returns its status (130 when interrupted by Ctrl-C)."""
-        if self.greet:
+        if self._says_hello:
             self.comm.send({"op": Op.HELLO, "clients": sorted(self.clients)}, dest=0, tag=TAG_RESULT)
         try:
             while True:
