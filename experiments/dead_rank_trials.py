@@ -20,7 +20,10 @@ import time
 import uuid
 from pathlib import Path
 
-from fedlayer._rankwatch import processes_with_env
+from fedlayer.mpi._rankwatch import processes_with_env
+
+# fedlayer with test hooks: the entry script holds client 3 in its first sum (FEDLAYER_TEST_HANG_CLIENT)
+FAULTS_ENTRY = Path(__file__).resolve().parents[1] / "tests" / "mpi_faults_entry.py"
 
 
 def _watching(pid, handles):
@@ -34,7 +37,7 @@ def _watching(pid, handles):
 def trial(mpiexec):
     token = uuid.uuid4().hex
     env = {**os.environ, "DEAD_RANK_TRIAL": token, "FEDLAYER_TEST_HANG_CLIENT": "3"}
-    cmd = [mpiexec, "-n", "3", sys.executable, "-m", "fedlayer", "run", "--algorithm", "fedacnnl", "--clients", "12",
+    cmd = [mpiexec, "-n", "3", sys.executable, str(FAULTS_ENTRY), "run", "--algorithm", "fedacnnl", "--clients", "12",
            "--model", "dnn", "--quiet", "--mpi-deadline", "120"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     victim, deadline = None, time.monotonic() + 60

@@ -11,7 +11,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from fedlayer import mpi
+from fedlayer.mpi import wire
 
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
@@ -23,19 +23,19 @@ for d in sizes:
             G = np.triu(np.random.default_rng(d).standard_normal((d, d)))
             for _ in range(rounds):
                 comm.recv(source=0, tag=1)
-                out, descs = [], []
-                skeleton = mpi._flatten({"G": G}, out, descs, {}, pack=pack)
-                comm.send({"result": skeleton, "arrays": descs}, dest=0, tag=2)
-                mpi._send_buffers(comm, out, 0, 3, mpi.CHUNK_BYTES, blocking=True)
+                payload = wire.Payload()
+                skeleton = payload.flatten({"G": G}, packed_keys=("G",) if pack else ())
+                comm.send({"result": skeleton, "arrays": payload.descs}, dest=0, tag=2)
+                wire.send_buffers(comm, payload.arrays, 0, 3, wire.CHUNK_BYTES, blocking=True)
         else:
             times = []
             for _ in range(rounds):
                 start = time.perf_counter()
                 comm.send("go", dest=1, tag=1)
                 header = comm.recv(source=1, tag=2)
-                buffers, requests = mpi._post_receives(comm, header["arrays"], 1, 3, mpi.CHUNK_BYTES)
+                buffers, requests = wire.post_receives(comm, header["arrays"], 1, 3, wire.CHUNK_BYTES)
                 MPI.Request.Waitall(requests)
-                G = mpi._inflate(header["result"], mpi._unwire(buffers, header["arrays"]))["G"]
+                G = wire.inflate(header["result"], wire.unwire(buffers, header["arrays"]))["G"]
                 times.append(time.perf_counter() - start)
             print(f"d={d:5d} {'packed' if pack else 'full  '}: median {np.median(times) * 1e3:8.2f} ms/round, "
                   f"min {min(times) * 1e3:8.2f} ms ({G.nbytes / 2**20:.0f} MiB dense)", flush=True)

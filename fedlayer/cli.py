@@ -198,7 +198,7 @@ class _ProgressBar:
             self.bar.close()
 
 
-def cmd_run(args):
+def cmd_run(args, mpi_hooks=None):
     import fastls
 
     from .models import build_model  # noqa: F401  (import errors surface before data loading)
@@ -231,11 +231,11 @@ def cmd_run(args):
             mpi.report_startup_failure(comm, err)  # rank 0 prints it and stops the job
             clients, bad_input = None, isinstance(err, (ValueError, OSError))
         try:
-            status = mpi.serve(comm, clients)
+            status = mpi.serve(comm, clients, hooks=mpi_hooks)
             return 2 if bad_input and status else status  # the job's status is that of bad input, as on rank 0
         finally:
             mpi.rank_finished(comm)  # in order, or with its own traceback: not a rank that died
-    transport = None if comm is None else mpi.MPITransport(comm, deadline_s=args.mpi_deadline)
+    transport = None if comm is None else mpi.MPITransport(comm, deadline_s=args.mpi_deadline, hooks=mpi_hooks)
     if transport is not None:
         transport.machine = {"mpi": {"ranks": comm.Get_size(), "ranks_on_node": on_node, "cores_per_rank": share}}
     bar = None if args.quiet else _ProgressBar(config.algorithm)
@@ -407,7 +407,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
 
 
-def main(argv=None):
+def main(argv=None, *, mpi_hooks=None):
+    """Run the ``fedlayer`` command line on ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
+
+    ``mpi_hooks``: under mpiexec, a :class:`fedlayer.mpi.WorkerHooks` and
+    :class:`fedlayer.mpi.ServerHooks` both (each rank uses its side), how the
+    tests inject faults into a run; None in production.
+    """
     parser = _Parser(prog="fedlayer", description="Analytic federated learning: FedACnnL and pFedACnnL")
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {"run": _run_parser(sub)}
@@ -437,7 +443,9 @@ def main(argv=None):
     from .secure import SecureAggregationError
 
     try:
-        return {"run": cmd_run, "plot": cmd_plot, "predict": cmd_predict}[args.command](args)
+        if args.command == "run":
+            return cmd_run(args, mpi_hooks)
+        return {"plot": cmd_plot, "predict": cmd_predict}[args.command](args)
     except (ValueError, OSError) as err:
         print(f"fedlayer {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -38,9 +38,20 @@ def _env(**extra):
     return env
 
 
+# Faults are injected by a test-owned entry script, which hands fedlayer its hooks (fedlayer reads no test variable).
+FAULTS_ENTRY = str(Path(__file__).with_name("mpi_faults_entry.py"))
+
+
+def _job(args, ranks=3, faults=False):
+    """mpiexec's command line: ``fedlayer run`` itself, or through the entry script that injects ``faults``."""
+    entry = [FAULTS_ENTRY] if faults else ["-m", "fedlayer"]
+    return [MPIEXEC, "-n", str(ranks), sys.executable, *entry, "run", *args]
+
+
 def mpirun(args, timeout=120, ranks=3, **env):
-    cmd = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "fedlayer", "run", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(**env))
+    faults = any(name.startswith("FEDLAYER_TEST_") for name in env)
+    return subprocess.run(_job(args, ranks, faults), capture_output=True, text=True, timeout=timeout,
+                          env=_env(**env))
 
 
 def _models(out):
@@ -214,7 +225,7 @@ def test_each_rank_writes_its_own_clients_personalized_models(tmp_path):
     assert [p.name for p in runs["mpi"]] == [p.name for p in runs["inproc"]] and len(runs["mpi"]) == 12
     from fedlayer.models import Model
 
-    for a, b in zip(runs["inproc"], runs["mpi"]):
+    for a, b in zip(runs["inproc"], runs["mpi"], strict=True):
         (ma, meta_a), (mb, meta_b) = Model.load(a), Model.load(b)
         assert meta_a == meta_b
         for i in ma.trainable:
@@ -248,8 +259,8 @@ def test_a_rank_that_cannot_build_its_clients_is_bad_input_in_one_line(tmp_path)
 def test_ctrl_c_stops_every_rank_at_once_and_says_how_to_resume(tmp_path):
     # Rank 0 waits 1 s before each group's sum, so the run is still going when SIGINT reaches the job.
     out = tmp_path / "out"
-    cmd = [MPIEXEC, "-n", "3", sys.executable, "-m", "fedlayer", "run", "--algorithm", "pfedacnnl", *SMALL,
-           "--quiet", "--output", str(out), "--mpi-deadline", "600"]
+    cmd = _job(["--algorithm", "pfedacnnl", *SMALL, "--quiet", "--output", str(out), "--mpi-deadline", "600"],
+               faults=True)
     # SIGINT at its default in the job: a shell starts background jobs (CI's, this suite's) with it ignored.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(FEDLAYER_TEST_DELAY_SUMS="1"),
@@ -304,7 +315,7 @@ def test_hung_rank_hits_the_deadline():
 
 def _processes_of_job(token):
     """{pid: (PMI_RANK or None, command line)} of the live processes whose environment holds ``token``."""
-    from fedlayer._rankwatch import processes_with_env
+    from fedlayer.mpi._rankwatch import processes_with_env
 
     return processes_with_env("FEDLAYER_TEST_JOB", token)
 
@@ -325,8 +336,7 @@ def _pidfds(pid):
 def test_dead_rank_is_named():
     # rank 2 (client 3's) waits in layer 1 and is killed from outside, as the OOM killer would do it
     token = uuid.uuid4().hex
-    cmd = [MPIEXEC, "-n", "3", sys.executable, "-m", "fedlayer", "run", "--algorithm", "fedacnnl", *SMALL,
-           "--quiet", "--mpi-deadline", "120"]
+    cmd = _job(["--algorithm", "fedacnnl", *SMALL, "--quiet", "--mpi-deadline", "120"], faults=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(FEDLAYER_TEST_HANG_CLIENT=3, FEDLAYER_TEST_JOB=token))
     try:
@@ -340,7 +350,7 @@ def test_dead_rank_is_named():
             else:
                 time.sleep(0.1)
         assert victim is not None, "rank 2 or the watcher never started"
-        from fedlayer._rankwatch import _shared_memory_files
+        from fedlayer.mpi._rankwatch import _shared_memory_files
 
         segments = _shared_memory_files([victim])  # MPICH's shared memory, which a killed job leaves behind
         assert segments, "rank 2 maps nothing under /dev/shm: MPICH's segments were expected there"
@@ -366,7 +376,7 @@ def test_the_watcher_names_a_process_whose_lifeline_closes(tmp_path):
     """The watcher script on a stand-in rank: its lifeline pipe, opened through /proc, reports the kill."""
     import select
 
-    from fedlayer import _rankwatch
+    from fedlayer.mpi import _rankwatch
 
     rank = subprocess.Popen([sys.executable, "-c", "import os, time; r, w = os.pipe(); print(r, flush=True); "
                              "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
@@ -393,7 +403,7 @@ def test_the_watcher_names_a_process_whose_lifeline_closes(tmp_path):
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the watcher reads /proc/PID/stat (Linux)")
 def test_the_watcher_sees_a_rank_that_has_begun_to_exit():
-    from fedlayer._rankwatch import _exiting
+    from fedlayer.mpi._rankwatch import _exiting
 
     assert not _exiting(os.getpid())
     child = subprocess.Popen([sys.executable, "-c", "pass"])

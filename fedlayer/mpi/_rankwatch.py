@@ -22,8 +22,8 @@ time is the rank that died, the others are the launcher's cleanup (after a
 deliberate abort, the error rank 0 printed says so).
 
 When the job is over, the watcher unlinks the /dev/shm files its ranks
-mapped that are still there: MPICH's shared-memory segments (3 MB each
-here), which a killed or aborted job leaves behind in RAM.
+mapped that are still there: MPICH's shared-memory segments, which a
+killed or aborted job leaves behind in RAM.
 
 Each rank also holds a pipe open for its life (its "lifeline", opened
 here through /proc/PID/fd): a killed rank closes it in the first steps of
