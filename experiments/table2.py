@@ -263,7 +263,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--out", default="docs/table2.md")
-    parser.add_argument("--json", default=None, help="write this run's cells (and merged ones) here")
+    parser.add_argument("--json", default=None,
+                        help="write this run's cells (and merged ones) here; cells already in the file are kept "
+                             "and not run again, so the same command continues an interrupted run")
     parser.add_argument("--plot", default=None, help="PNG of the baselines' curves against the analytic results")
     parser.add_argument("--settings", nargs="+", default=SETTINGS, choices=SETTINGS)
     parser.add_argument("--algorithms", nargs="+", default=[a for a in ALGORITHMS if a not in BASELINES],
@@ -288,7 +290,11 @@ def main(argv=None):
     args.baseline_seeds = args.seeds if args.baseline_seeds is None else args.baseline_seeds
     budget = parse_budget(args.baseline_rounds)
 
-    runs, cells = load_runs(args.merge)
+    # Running the same command again continues it: the cells its --json file already holds are kept, not rerun.
+    own = [args.json] if args.json and os.path.exists(args.json) else []
+    if own and any(os.path.samefile(own[0], path) for path in args.merge):
+        own = []
+    runs, cells = load_runs(args.merge + own)
     lengths = {key: len(cell["accuracy"]) for key, cell in cells.items()}
     command = "python experiments/table2.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     this_run = {"command": command, "minutes": 0.0, "cells": []}

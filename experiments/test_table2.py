@@ -54,3 +54,24 @@ def test_split_runs_merge_into_one_table(tmp_path):
                      "--merge", str(second)])
     with pytest.raises(SystemExit, match="also in an earlier --merge file"):
         table2.main([*common, "--merge", str(first), str(first)])
+
+
+def test_the_same_command_again_keeps_its_cells_and_runs_only_the_missing(tmp_path, monkeypatch):
+    """An interrupted run's --json file is its memory: running the command again adds seeds, never reruns them."""
+    out = tmp_path / "cells.json"
+    common = ["--settings", "synthetic-lr", "--cores", "1", "--out", str(tmp_path / "t.md"), "--algorithms",
+              "pfedme", "--baseline-rounds", "2", "--checkpoints", str(tmp_path / "checkpoints"), "--json", str(out)]
+    assert table2.main(["--seeds", "1", *common]) == 0
+    first = json.loads(out.read_text())["cells"]["synthetic-lr-pfedme"]
+    ran = []
+    real_run = table2.run
+    monkeypatch.setattr(table2, "run", lambda config, **kw: ran.append(config.seed) or real_run(config, **kw))
+    assert table2.main(["--seeds", "2", *common]) == 0
+    assert ran == [1]
+    again = json.loads(out.read_text())
+    cell = again["cells"]["synthetic-lr-pfedme"]
+    assert cell["accuracy"][0] == first["accuracy"][0] and len(cell["accuracy"]) == 2
+    assert [run["cells"] for run in again["runs"]] == [["synthetic-lr-pfedme"], ["synthetic-lr-pfedme"]]
+    # Named in --merge as well, the file is read once, not refused as a duplicate.
+    assert table2.main(["--seeds", "2", *common, "--merge", str(out)]) == 0
+    assert ran == [1]
