@@ -1,7 +1,7 @@
 """Every algorithm ``fedlayer run`` knows, by name, and what runs it.
 
 :data:`ALGORITHMS` maps a name to an :class:`Algorithm`: the analytic
-methods (one parametrized protocol, :mod:`fedlayer.federated`) and the
+methods (one parametrized protocol, :mod:`fedlayer.server`) and the
 gradient / zeroth-order baselines (:mod:`fedlayer.baselines`). An algorithm
 checks the parts of a configuration only it cares about, builds its
 clients, trains over a transport and names the files it leaves in the
@@ -23,9 +23,11 @@ from .baselines import BASELINES, PERSONALIZED, BaselineClient, baseline_hyper, 
 from .baselines.cohort import ClientCohort
 from .baselines.models import MODEL_HIDDEN
 from .baselines.server import load_baseline_checkpoint
+from .checkpoint import Checkpointing, load_checkpoint
 from .client import Client, target_bases
-from .federated import VARIANTS, Variant, run_protocol
+from .options import ClientOptions, ServerOptions
 from .secure import SecureServer
+from .server import VARIANTS, ServerState, Variant, run_protocol
 
 __all__ = ["ALGORITHMS", "Algorithm", "AnalyticAlgorithm", "BaselineAlgorithm", "Outcome"]
 
@@ -117,7 +119,7 @@ def _ignored(config, name, keys, applies_to):
 
 
 class AnalyticAlgorithm(Algorithm):
-    """FedACnnL, pFedACnnL and their ablations: :func:`fedlayer.federated.run_protocol` with a :class:`Variant`."""
+    """FedACnnL, pFedACnnL and their ablations: :func:`fedlayer.server.run_protocol` with a :class:`Variant`."""
 
     def __init__(self, name, variant: Variant, summary, centralized=False):
         self.name, self.variant, self.summary, self.centralized = name, variant, summary, centralized
@@ -169,31 +171,23 @@ class AnalyticAlgorithm(Algorithm):
                              f"fewer reveals too much of each), got clients={config.clients}")
 
     def make_client(self, cid, data, config, n_classes, model_config, cores):
-        # Activations too large for RAM go under the run's output folder (else a temporary one).
-        cache_dir = Path(config.output) / "activations" if config.output else None
-        return Client(cid, data, model_config, config.seed, n_classes, cores, np.float64, cache_dir=cache_dir,
-                      conv_targets=config.conv_targets, eps_criterion=config.eps_criterion,
-                      drop_probability=config.drop_clients, round_deadline_s=config.round_deadline,
-                      h_noise=config.h_noise, forward=config.forward)
+        return Client(cid, data, model_config, config.seed, n_classes, cores,
+                      ClientOptions.from_config(config, centralized=self.centralized))
 
     def train(self, config, transport, model, clock, progress):
         resume_state = None
         checkpoint = config.checkpoint_path()
         if config.resume and checkpoint.exists():
-            from .checkpoint import load_checkpoint
-
-            resume_state = load_checkpoint(checkpoint, config.fingerprint())
+            resume_state = ServerState.from_checkpoint(load_checkpoint(checkpoint, config.fingerprint()))
         n_layers = len(model.trainable)
-        layers_done = resume_state["layers_done"] if resume_state else 0
+        layers_done = resume_state.layers_done if resume_state else 0
         announce_rounds(progress, n_layers - layers_done + (n_layers if self.variant.personalize else 0))
         outcome = run_protocol(
-            transport, n_layers, self.variant, gamma=config.gamma, gamma_output=config.gamma_output, eps=config.eps,
-            gamma_scope=config.gamma_scope,
-            groups=config.groups, seed=config.seed, batch_size=config.batch_size,
-            max_batch_size=config.max_batch_size, clock=clock, progress=progress, checkpoint=checkpoint,
-            resume=resume_state, fingerprint=config.fingerprint(), target_bases=target_bases(model, config.seed, config.conv_targets),
+            transport, n_layers, self.variant, ServerOptions.from_config(config, weights_dtype=model.dtype),
+            target_bases=target_bases(model, config.seed, config.conv_targets),
             secure=SecureServer(config.seed, min_group_size=config.min_group_size) if config.secure else None,
-            eval_every=config.eval_every, weights_dtype=model.dtype, upload=config.upload,
+            clock=clock, progress=progress, checkpoint=None if checkpoint is None else Checkpointing(checkpoint, config.fingerprint()),
+            resume=resume_state,
         )
         group_of = {int(cid): k for cid, k in outcome["groups"].items()}
         group_weights = outcome["group_weights"]
@@ -213,7 +207,7 @@ class AnalyticAlgorithm(Algorithm):
             rounds=outcome["rounds"], accuracy=outcome["accuracy"],
             results={"groups": outcome["groups"],
                      **({"secure": outcome["secure"]} if "secure" in outcome else {}),
-                     "resumed_from_layer": resume_state["layers_done"] if resume_state else None},
+                     "resumed_from_layer": layers_done if resume_state else None},
             in_memory={"group_weights": group_weights}, files=files,
         )
 

@@ -25,11 +25,12 @@ import os
 import tempfile
 import zipfile
 import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["check_fingerprint", "load_checkpoint", "read_state", "save_checkpoint", "write_state"]
+__all__ = ["Checkpointing", "check_fingerprint", "load_checkpoint", "read_state", "save_checkpoint", "write_state"]
 
 _FORMAT = "fedlayer-checkpoint-2"
 #: Fingerprint keys added after checkpoints of this format were written, with the behaviour before them: an
@@ -164,3 +165,23 @@ def load_checkpoint(path, fingerprint):
         "rounds": state["rounds"],
         "group_weights": group_weights,
     }
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Where a run writes its server's state after every trained layer, and the settings it is checked against.
+
+    Attributes
+    ----------
+    path : path
+    fingerprint : dict
+        The run's settings that determine the trained weights
+        (:meth:`fedlayer.run.RunConfig.fingerprint`).
+    """
+
+    path: str | Path
+    fingerprint: dict = field(default_factory=dict)
+
+    def save(self, state) -> None:
+        """Write ``state`` (a :class:`fedlayer.server.ServerState`) atomically."""
+        save_checkpoint(self.path, fingerprint=self.fingerprint or {}, **state.fields())

@@ -24,27 +24,20 @@ import fastls
 
 from .data import ClientData, one_hot
 from .models import Model
+from .options import CLIENT_SCRATCH_BYTES, CONV_TARGETS, EPS_CRITERIA, FORWARD_MODES, ClientOptions
 
 __all__ = ["Client", "ClientDropout", "label_encoders", "encoder_widths", "target_bases", "encoder_for_clustering", "init_weights",
-           "CLIENT_SCRATCH_BYTES", "CONV_TARGETS", "EPS_CRITERIA"]
+           "CLIENT_SCRATCH_BYTES", "CONV_TARGETS", "EPS_CRITERIA", "FORWARD_MODES"]
 
-#: A client computes one layer's statistics at a time, so it can afford more
-#: than fastls's default chunk: on the DCNN's 4 x 4 x 2048 map, 256 MiB takes a
-#: client's ~450 images in one pass of thicker products (measured 4.4 s
-#: against 5.1 s for 375 images at 64 MiB).
-CLIENT_SCRATCH_BYTES = 4 * fastls.DEFAULT_SCRATCH_BYTES
-
-#: The widest activation of one forward step. Half of this machine's 32 MiB
-#: last-level cache: the first DCNN convolution (K = 76, memory-bound) then
-#: runs its activation and pooling in cache, 1.8 ms per image against 3.6 ms
-#: with 1 GiB steps; the wide layers are unchanged (measured 2026-11-27).
+#: The widest activation of one forward step: half a 32 MiB last-level cache, so that a memory-bound
+#: convolution runs its activation and pooling in cache (docs/results/protocol_notes.md).
 FORWARD_STEP_BYTES = 16 * 2**20
 
 #: eps="auto" takes exact leave-one-out below this many rows per feature and GCV
 #: from the statistics at or above it (n >> d: every leverage is about d / n, the
 #: criteria agree, and leave-one-out's pass over the rows per candidate eps
-#: would cost more than the personalization). At 4 rows per feature, GCV's
-#: choices cost MNIST-DNN pFedACnnL a point of accuracy against leave-one-out.
+#: would cost more than the personalization). Below it GCV's choices cost accuracy
+#: (docs/results/protocol_notes.md).
 GCV_ROWS_PER_FEATURE = 32
 
 
@@ -100,12 +93,6 @@ def _shared_encoders(seed, n_classes, widths):
     rng = np.random.default_rng([seed, 0x51])
     return tuple(_read_only(rng.standard_normal((n_classes, width))) for width in widths[:-1])
 
-
-CONV_TARGETS = ("position", "image")
-EPS_CRITERIA = ("loo", "loo_class")
-#: Where a round's statistics get their layer inputs: the cached activations of the layer before (each sample
-#: passes each trained layer once per stage), or each batch's own forward pass from the input (Algorithm 1, line 8).
-FORWARD_MODES = ("cached", "batch")
 
 
 def encoder_widths(model, conv_targets="position"):
@@ -252,32 +239,9 @@ class Client:
     cores : int
         Cores this client may use; its local computation runs under
         ``fastls.limit_cores(cores)`` (the paper's 1-4-core edge devices).
-    stat_dtype : numpy dtype, default float64
-        dtype of the uploaded statistics X^T X and X^T Z.
-    scratch_bytes : int, default=CLIENT_SCRATCH_BYTES (256 MiB)
-        Working memory bound for convolution statistics and forward chunks.
-    cache_dir : path or None
-        Where activations too large for RAM (over ``cache_ram_bytes``) are
-        kept as memory-mapped ``.npy`` files; None: a temporary folder,
-        removed with the client. Files of this client id already there
-        (left by a process that was killed) are removed at construction.
-    cache_ram_bytes : int, default=16 MiB
-        Activations of one split up to this size stay in memory.
-    conv_targets : {"position", "image"}, default="position"
-        How a convolution's targets encode the label (:func:`encoder_widths`):
-        a code per output position, or one code per image.
-    forward : {"cached", "batch"}, default="cached"
-        Where the statistics of a round get the layer's inputs. "cached":
-        from the cached inputs of the layer before, moved one layer forward
-        once per round (the fastest). "batch": every batch of the round goes
-        forward from the input layer through all trained layers, as in the
-        paper's Algorithm 1 (line 8), so the batch size of eq. (7) shapes
-        the forward passes as well as the products; for timing studies.
-    eps_criterion : {"loo", "loo_class"}, default="loo"
-        What ``eps="auto"`` minimizes where it takes leave-one-out: the squared
-        error of the targets, or the error rate of the class decision
-        (:meth:`fastls.RidgePath.loo_errors`; a convolution coded per position
-        has no per-class code and keeps "loo").
+    options : ClientOptions, default=ClientOptions()
+        How it computes, caches and fails (:class:`fedlayer.options.ClientOptions`;
+        :meth:`~fedlayer.options.ClientOptions.from_config` for a run's).
 
     Notes
     -----
@@ -288,10 +252,10 @@ class Client:
     through drops them (personalization starts again from the raw data).
     """
 
-    def __init__(self, client_id, data: ClientData, model_config, seed, n_classes, cores=1,
-                 stat_dtype=np.float64, scratch_bytes=CLIENT_SCRATCH_BYTES, cache_dir=None,
-                 cache_ram_bytes=16 * 2**20, conv_targets="position", eps_criterion="loo", drop_probability=0.0,
-                 round_deadline_s=None, h_noise=0.0, forward="cached"):
+    def __init__(self, client_id: int, data: ClientData, model_config: dict, seed: int, n_classes: int,
+                 cores: int = 1, options: ClientOptions | None = None):
+        options = ClientOptions() if options is None else options
+        self.options = options
         self.client_id = int(client_id)
         self.data = data
         self.model = Model.from_config(model_config)
@@ -299,29 +263,22 @@ class Client:
         self.n_classes = int(n_classes)
         data.check_classes(self.n_classes)
         self.cores = int(cores)
-        self.stat_dtype = np.dtype(stat_dtype)
-        self.scratch_bytes = int(scratch_bytes)
+        self.stat_dtype = np.dtype(options.stat_dtype)
+        self.scratch_bytes = int(options.scratch_bytes)
         init_weights(self.model, self.seed)
-        self.conv_targets = conv_targets
-        if eps_criterion not in EPS_CRITERIA:
-            raise ValueError(f"eps_criterion must be one of {EPS_CRITERIA}, got {eps_criterion!r}")
-        self.eps_criterion = eps_criterion
-        if forward not in FORWARD_MODES:
-            raise ValueError(f"forward must be one of {FORWARD_MODES}, got {forward!r}")
-        self.forward = forward
-        if not 0.0 <= drop_probability < 1.0:
-            raise ValueError(f"drop_probability must be in [0, 1), got {drop_probability!r}")
-        self.drop_probability = float(drop_probability)
-        self.round_deadline_s = None if round_deadline_s is None else float(round_deadline_s)
-        if not h_noise >= 0:
-            raise ValueError(f"h_noise must be >= 0, got {h_noise!r}")
-        self.h_noise = float(h_noise)
+        self.conv_targets = options.conv_targets
+        self.eps_criterion = options.eps_criterion
+        self.forward = options.forward
+        self.drop_probability = float(options.drop_probability)
+        self.round_deadline_s = None if options.round_deadline_s is None else float(options.round_deadline_s)
+        self.h_noise = float(options.h_noise)
+        conv_targets = options.conv_targets
         self.encoders = label_encoders(self.seed, self.n_classes, encoder_widths(self.model, conv_targets))
         self.bases = target_bases(self.model, self.seed, conv_targets)
         self.meta_weights = {}  # position -> the group's meta-model weights, kept for personalization
         self.personal_choices = {}  # position -> what a private personalization chose (eps, form): kept here
-        self.cache_ram_bytes = int(cache_ram_bytes)
-        self._cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.cache_ram_bytes = int(options.cache_ram_bytes)
+        self._cache_dir = Path(options.cache_dir) if options.cache_dir is not None else None
         if self._cache_dir is not None:
             # Files a killed process left for this client (a resumed run names its files anew): its
             # finalizers never ran, and nothing else would remove them.
@@ -410,7 +367,7 @@ class Client:
             out[s:s + step] = self.model.forward(x[s:s + step], start=start, stop=layer_index)
         if isinstance(out, np.memmap):
             # No flush: the file is read back by this process through the page
-            # cache, and a synchronous msync cost 0.3 s per 180 MB here.
+            # cache, and a synchronous msync is slow (docs/results/protocol_notes.md).
             path = Path(out.filename)
             del out
             self._drop(split)
@@ -580,7 +537,7 @@ class Client:
         With ``target_moments`` the upload also holds ``zz`` = tr(Z^T Z) and
         ``rows``, the two numbers the server's GCV choice of gamma needs.
         With ``coordinates``, C is X^T Y's coordinates in the layer's label
-        code (:data:`fedlayer.federated.UPLOAD_MODES`).
+        code (:data:`fedlayer.options.UPLOAD_MODES`).
         """
         if batch_size < 1:
             raise ValueError(f"client {self.client_id}: batch_size must be >= 1, got {batch_size}")

@@ -28,8 +28,7 @@ import fastls
 
 from ._validation import Boolean, InstanceOf, Interval, ListOf, Options, check_params
 from .algorithms import ALGORITHMS
-from .client import CONV_TARGETS, EPS_CRITERIA, FORWARD_MODES, Client
-from .federated import UPLOAD_MODES
+from .options import CONV_TARGETS, EPS_CRITERIA, FORWARD_MODES, GAMMA_SCOPES, UPLOAD_MODES
 from .data import KNOWN_DATASETS, ClientData, load_federated
 from .models import DCNN_PADDINGS, KNOWN_MODELS, build_model, check_padding
 from .timing import Clock, time_summary
@@ -52,7 +51,7 @@ CONFIG_CONSTRAINTS = {
     "gamma_output": [None] + _POSITIVE + [Options("auto")],
     "eps": _POSITIVE + [Options("auto")],
     "eps_criterion": [Options(*EPS_CRITERIA)],
-    "gamma_scope": [Options("all", "group")],
+    "gamma_scope": [Options(*GAMMA_SCOPES)],
     "groups": _POSITIVE_INT,
     "seed": [Interval(int, 0, None)],
     "batch_size": _POSITIVE_INT,
@@ -226,8 +225,8 @@ def make_clients(config: RunConfig, dataset, model_config, client_ids=None, max_
     if max_cores is not None:
         cores = [min(c, int(max_cores)) for c in cores]
     if algorithm.centralized:
-        return [Client(0, pooled_data(dataset), model_config, config.seed, dataset.n_classes, max(cores), np.float64,
-                       conv_targets=config.conv_targets, eps_criterion=config.eps_criterion, forward=config.forward)]
+        # The centralized reference: one client of every client's training data, on the most cores of any.
+        return [algorithm.make_client(0, pooled_data(dataset), config, dataset.n_classes, model_config, max(cores))]
     ids = range(len(dataset.clients)) if client_ids is None else client_ids
     clients = []
     for cid in ids:

@@ -40,7 +40,7 @@ neighbours of its group instead of all of them, so the work grows as n log n.
 * **Few survivors.** A sum over fewer than ``min_survivors`` clients would
   show the server too much of each of them (over one, all of it): a client
   reveals nothing for such a sum, and the server does not ask
-  (:func:`fedlayer.federated.run_protocol` solves that group's layer on
+  (:func:`fedlayer.server.run_protocol` solves that group's layer on
   the other groups' sums instead).
 * **Who contributes.** Every layer's C holds the contributors' class counts in
   its bias row, so two unmasked sums of a group whose contributors differ by
@@ -91,8 +91,8 @@ PRIME = 2**521 - 1
 _KEY_BYTES = 32
 # Mask keys are AES-128 keys: X25519 gives about 128-bit security, which a
 # 256-bit mask key cannot raise, and AES-128's 10 rounds make the keystream,
-# most of a secure sum's cost, 1.3x faster than AES-256's 14 (9.9 against
-# 7.6 GB/s here).
+# most of a secure sum's cost, faster than AES-256's 14
+# (docs/results/protocol_notes.md).
 _MASK_KEY_BYTES = 16
 _PUBLIC_BYTES = 32  # one X25519 public key
 
@@ -526,8 +526,8 @@ def keystream_words(key, n_words):
     """``n_words`` uint64 words of the AES-CTR keystream under ``key``, counter from 0.
 
     AES-128 for a 16-byte key (the masks' keys), AES-256 for a 32-byte one.
-    AES-CTR rather than ChaCha20: with AES-NI it runs faster here (AES-128
-    9.9, AES-256 7.6, ChaCha20 6.4 GB/s), and the keystream is most of a
+    AES-CTR rather than ChaCha20: with AES-NI it runs faster
+    (docs/results/protocol_notes.md), and the keystream is most of a
     secure sum's cost. Every key is used for one keystream only (HKDF per
     pair and sum).
     """
