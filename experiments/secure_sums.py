@@ -44,6 +44,7 @@ from fedlayer.client import Client
 from fedlayer.federated import survivors_solution
 from fedlayer.run import RunConfig, build, load_dataset, make_clients, run
 from fedlayer.secure import FixedPoint, SecureServer, class_means_from_upload, fraction_bits
+from fedlayer.secure_client import SecureClient
 
 from dev_layout import use_shared_data
 
@@ -83,7 +84,8 @@ def threat(dataset, config, out):
     import matplotlib.pyplot as plt
 
     model_config = build(config, dataset).config()
-    clients = [Client(cid, dataset.clients[cid], model_config, config.seed, dataset.n_classes) for cid in range(10)]
+    clients = [SecureClient(Client(cid, dataset.clients[cid], model_config, config.seed, dataset.n_classes))
+               for cid in range(10)]
     target = clients[0]
     Q = target.encoders[0]
     x, y = target.data.x_train.reshape(target.data.n_train, -1).astype(np.float64), target.data.y_train

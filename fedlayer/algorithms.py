@@ -25,8 +25,10 @@ from .baselines.models import MODEL_HIDDEN
 from .baselines.server import load_baseline_checkpoint
 from .checkpoint import Checkpointing, load_checkpoint
 from .client import Client, target_bases
+from .messages import ClientMethod
 from .options import ClientOptions, ServerOptions
 from .secure import SecureServer
+from .secure_client import SecureClient
 from .server import VARIANTS, ServerState, Variant, run_protocol
 
 __all__ = ["ALGORITHMS", "Algorithm", "AnalyticAlgorithm", "BaselineAlgorithm", "Outcome"]
@@ -171,8 +173,10 @@ class AnalyticAlgorithm(Algorithm):
                              f"fewer reveals too much of each), got clients={config.clients}")
 
     def make_client(self, cid, data, config, n_classes, model_config, cores):
-        return Client(cid, data, model_config, config.seed, n_classes, cores,
-                      ClientOptions.from_config(config, centralized=self.centralized))
+        """The client of ``cid``; with ``secure``, wrapped to take part in secure sums (here and only here)."""
+        client = Client(cid, data, model_config, config.seed, n_classes, cores,
+                        ClientOptions.from_config(config, centralized=self.centralized))
+        return SecureClient(client) if config.secure else client
 
     def train(self, config, transport, model, clock, progress):
         resume_state = None
@@ -216,7 +220,7 @@ def _personal_writer(transport, cid, config, group):
     """A writer of client ``cid``'s personalized model: the client writes it, on its side of the transport."""
 
     def write(path):
-        for _ in transport.call("save_personalized", {cid: {"path": str(path),
+        for _ in transport.call(ClientMethod.SAVE_PERSONALIZED, {cid: {"path": str(path),
                                                             "metadata": _model_metadata(config, [cid], group)}}):
             pass  # only the bytes written come back
 

@@ -53,7 +53,7 @@ class ClientMethod(enum.StrEnum):
 @runtime_checkable
 class ClientProtocol(Protocol):
     """What a transport may call on a client of the analytic methods (secure runs: also the ``secure_*`` steps
-    of :class:`fedlayer.secure.SecureClient`). Every method returns a dict of arrays and numbers."""
+    of :class:`fedlayer.secure_client.SecureClient`). Every method returns a dict of arrays and numbers."""
 
     client_id: int
 

@@ -28,6 +28,7 @@ from fedlayer.transport import InProcessTransport, pack_upper, unpack_upper
 from fedlayer.options import BatchPolicy, ClientOptions, ServerOptions
 from fedlayer.checkpoint import Checkpointing
 from fedlayer.server import ServerState
+from fedlayer.secure_client import SecureClient
 from numeric_checks import assert_close
 from test_federated import N_CLASSES, client_data, dnn_config, make_data
 
@@ -404,8 +405,9 @@ def test_a_survivor_that_does_not_reveal_its_pairwise_key_stops_the_unmasking(rn
 def _clients(rng, n_clients, **options):
     x, y = make_data(rng, n=300)
     parts = np.array_split(rng.permutation(300), n_clients)
-    return [Client(i, client_data(x, y, p), dnn_config(x.shape[1]), seed=3, n_classes=N_CLASSES,
-                   options=ClientOptions(**options)) for i, p in enumerate(parts)]
+    # Wrapped for secure sums: the same clients in the plain runs they are compared with (the wrapper adds steps).
+    return [SecureClient(Client(i, client_data(x, y, p), dnn_config(x.shape[1]), seed=3, n_classes=N_CLASSES,
+                                options=ClientOptions(**options))) for i, p in enumerate(parts)]
 
 
 @pytest.mark.parametrize("name,options,protocol", [
@@ -448,11 +450,11 @@ def test_secure_weights_equal_the_plain_ones_to_the_rounding(rng, name, options,
         assert any(r.get("dropped") for r in secure["rounds"])
 
 
-class _FailingClient(Client):
+class _FailingClient(SecureClient):
     """A client that raises in the named protocol steps: ``fail`` holds (method, layer position) pairs."""
 
-    def __init__(self, *args, fail=(), **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, client, fail=()):
+        super().__init__(client)
         self.fail, self.calls = set(fail), []
 
     def _step(self, method, position):
@@ -462,7 +464,7 @@ class _FailingClient(Client):
 
     def local_stats(self, position, *args, **kwargs):
         self._step("local_stats", position)
-        return super().local_stats(position, *args, **kwargs)
+        return self.client.local_stats(position, *args, **kwargs)
 
     def secure_self_mask(self, context, members=None):
         self._step("secure_self_mask", context[0])
@@ -482,7 +484,7 @@ def _failing_clients(seed, n_clients, fail):
     rng = np.random.default_rng(seed)
     x, y = make_data(rng, n=300)
     parts = np.array_split(rng.permutation(300), n_clients)
-    return [_FailingClient(i, client_data(x, y, p), dnn_config(x.shape[1]), seed=3, n_classes=N_CLASSES,
+    return [_FailingClient(Client(i, client_data(x, y, p), dnn_config(x.shape[1]), seed=3, n_classes=N_CLASSES),
                            fail=fail.get(i, ())) for i, p in enumerate(parts)]
 
 
@@ -510,7 +512,7 @@ def test_a_client_that_drops_out_after_masking_is_removed_and_kept_out_of_its_gr
     assert [r["contributors"] for r in secure["rounds"]] == [{"0": [[0, 1, 2, 3, 5, 6, 7, 8]]}] * 3
     assert "rekeyed" not in secure["secure"]
     for other in server.graph[4]:
-        assert clients[other]._secure._public[4] == server.public[4] == clients[4]._secure.public_key()
+        assert clients[other].state._public[4] == server.public[4] == clients[4].state.public_key()
 
 
 def test_self_masks_are_shared_among_the_neighbours_still_in_the_sum(rng):
@@ -807,8 +809,8 @@ def test_the_default_degree_keeps_the_survivors_connected_at_the_supported_dropo
 class _BogusSharer(_FailingClient):
     """A client that sends ``victim`` a share that does not open, in layer ``position`` + 1."""
 
-    def __init__(self, *args, victim, position=0, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, client, victim, position=0):
+        super().__init__(client)
         self.victim, self.position = victim, position
 
     def secure_self_mask(self, context, members=None):
@@ -825,8 +827,8 @@ def test_a_bogus_share_drops_its_sender_not_its_receiver(rng):
     (any client could so remove a chosen one from a chosen sum); now client 6 reports client 3, which is out."""
     seed = int(rng.integers(2**31))
     clients = _failing_clients(seed, 9, {})
-    clients[3] = _BogusSharer(3, clients[3].data, dnn_config(clients[3].data.x_train.shape[1]), seed=3,
-                              n_classes=N_CLASSES, victim=6)
+    clients[3] = _BogusSharer(Client(3, clients[3].data, dnn_config(clients[3].data.x_train.shape[1]), seed=3,
+                                     n_classes=N_CLASSES), victim=6)
     result = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], ServerOptions(batch=BatchPolicy(7)),
                           secure=SecureServer(seed=5))
     first = result["rounds"][0]

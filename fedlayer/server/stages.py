@@ -30,7 +30,8 @@ import numpy as np
 import fastls
 
 from ..checkpoint import Checkpointing
-from ..messages import UPLOADED, UPPER, ClientMethod, PersonalizeReply, PersonalizeRequest, StatsRequest
+from ..messages import (UPLOADED, UPPER, ClientMethod, PersonalizeReply, PersonalizeRequest, StatsReceipt,
+                        StatsRequest)
 from ..options import ServerOptions
 from ..secure import SecureAggregationError, SecureServer
 from ..timing import Clock, RoundLog, payload_bytes
@@ -274,7 +275,8 @@ def _take_group(run, state, layer, k, outcome, why_withheld):
     """Record group ``k``'s sum and hand it to the layer's solver (or withhold the group, or stop the run)."""
     log, n_groups = layer.log, state.n_groups
     for cid, receipt in outcome.receipts.items():
-        log.arrived(cid, receipt["compute_s"], outcome.up_bytes[cid], parts=receipt.get("parts"))
+        stats = StatsReceipt.from_result(receipt)
+        log.arrived(cid, stats.compute_s, outcome.up_bytes[cid], parts=stats.parts)
     log.dropped.update({cid: str(why) for cid, why in outcome.dropped.items()})
     log.transport.update({f"group {k} {where}": v for where, v in outcome.transport.items()})
     if why_withheld is not None:
