@@ -27,8 +27,12 @@ import zipfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .server import ServerState
 
 __all__ = ["Checkpointing", "check_fingerprint", "load_checkpoint", "read_state", "save_checkpoint", "write_state"]
 
@@ -51,7 +55,8 @@ def _digest(state_json, arrays):
     return digest.hexdigest()
 
 
-def save_checkpoint(path, *, fingerprint, layers_done, group_of, group_weights, batch, first_durations, rounds):
+def save_checkpoint(path: str | os.PathLike, *, fingerprint: dict, layers_done: int, group_of: dict,
+                    group_weights: dict, batch: dict, first_durations: dict | None, rounds: list) -> None:
     """Write the state to ``path`` atomically (temporary file, fsync, rename)."""
     state = {
         "format": _FORMAT,
@@ -67,7 +72,7 @@ def save_checkpoint(path, *, fingerprint, layers_done, group_of, group_weights, 
     write_state(path, state, arrays)
 
 
-def write_state(path, state, arrays, compress=False):
+def write_state(path: str | os.PathLike, state: dict, arrays: dict, compress: bool = False) -> None:
     """Write a JSON-able ``state`` and named ``arrays`` to ``path`` atomically (temporary file, fsync, rename).
 
     The arrays are stored bit for bit with a SHA-256 digest of everything,
@@ -95,7 +100,7 @@ def _start_over(path):
     return f"remove {path} to start over (or run without --resume, which overwrites it)"
 
 
-def check_fingerprint(path, saved, fingerprint):
+def check_fingerprint(path: str | os.PathLike, saved: dict, fingerprint: dict) -> None:
     """Refuse to resume from ``path`` unless the ``saved`` settings equal this run's ``fingerprint``.
 
     The message names every setting that differs with both values, (saved, now).
@@ -108,7 +113,7 @@ def check_fingerprint(path, saved, fingerprint):
                          f"{_start_over(path)}")
 
 
-def read_state(path, expected_format):
+def read_state(path: str | os.PathLike, expected_format: str) -> tuple[dict, dict]:
     """(state, arrays) written by :func:`write_state`, refused unless intact and of ``expected_format``.
 
     Raises
@@ -141,7 +146,7 @@ def read_state(path, expected_format):
     return state, stored
 
 
-def load_checkpoint(path, fingerprint):
+def load_checkpoint(path: str | os.PathLike, fingerprint: dict) -> dict:
     """The state saved by :func:`save_checkpoint`, checked against this run's fingerprint.
 
     Raises
@@ -182,6 +187,6 @@ class Checkpointing:
     path: str | Path
     fingerprint: dict = field(default_factory=dict)
 
-    def save(self, state) -> None:
+    def save(self, state: ServerState) -> None:
         """Write ``state`` (a :class:`fedlayer.server.ServerState`) atomically."""
         save_checkpoint(self.path, fingerprint=self.fingerprint or {}, **state.fields())

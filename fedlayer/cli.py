@@ -407,7 +407,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="fedlayer", description="Analytic federated learning: FedACnnL and pFedACnnL")
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {"run": _run_parser(sub)}

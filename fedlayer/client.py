@@ -17,6 +17,7 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -66,7 +67,7 @@ def _reserve_blocks(path):
             raise OSError(err.errno, message, str(path)) from None
 
 
-def label_encoders(seed, n_classes, widths):
+def label_encoders(seed: int, n_classes: int, widths: Sequence[int]) -> list[np.ndarray]:
     """The set Q = {Q_l} of label-encoding matrices, identical on every client.
 
     Parameters
@@ -95,7 +96,7 @@ def _shared_encoders(seed, n_classes, widths):
 
 
 
-def encoder_widths(model, conv_targets="position"):
+def encoder_widths(model: Model, conv_targets: str = "position") -> list[int]:
     """d_l of every trainable layer: the width its label encoder Q_l must have.
 
     d_l is the width of the layer's output per sample (the paper's Z_l in
@@ -117,7 +118,7 @@ def encoder_widths(model, conv_targets="position"):
     return widths
 
 
-def personalization_costs(layer, input_shape, n_samples, basis):
+def personalization_costs(layer, input_shape: tuple, n_samples: int, basis: np.ndarray | None) -> dict:
     """Flops of a client's proximal solve of ``layer`` in each form (:func:`fastls.proximal_cost`).
 
     ``n_samples`` training samples give ``rows_per_sample`` least-squares rows
@@ -131,7 +132,7 @@ def personalization_costs(layer, input_shape, n_samples, basis):
                                 gram_flops=layer.gram_flops(input_shape, n_samples))
 
 
-def target_bases(model, seed, conv_targets="position"):
+def target_bases(model: Model, seed: int, conv_targets: str = "position") -> list[np.ndarray | None]:
     """Per trainable layer, the basis its targets are encoded in: Q_l in the model dtype, or None.
 
     Hidden-layer targets are Z_l = Y Q_l, so X^T Z_l = (X^T Y) Q_l and every
@@ -154,7 +155,7 @@ def target_bases(model, seed, conv_targets="position"):
     return bases + [None]
 
 
-def encoder_for_clustering(encoders, n_classes):
+def encoder_for_clustering(encoders: Sequence[np.ndarray], n_classes: int) -> np.ndarray:
     """Q_enc: the encoder of the narrowest layer (eq. 8).
 
     A one-layer model (LR) has no hidden encoder; the identity is used then,
@@ -165,7 +166,7 @@ def encoder_for_clustering(encoders, n_classes):
     return min(encoders, key=lambda Q: Q.shape[1])
 
 
-def init_weights(model, seed):
+def init_weights(model: Model, seed: int) -> None:
     """Seeded initial weights (scaled normal), identical on every client.
 
     FedACnnL replaces every layer's weights, so the initial ones only matter
@@ -515,7 +516,7 @@ class Client:
         return zz, self.data.n_train * rows_per_sample
 
     # -- methods the server calls -------------------------------------------
-    def label_summary(self):
+    def label_summary(self) -> dict:
         """h_i = (mean label vector of the local training set) Q_enc (eq. 9), plus N(0, h_noise^2) noise.
 
         h_i travels in the clear and tells the server the client's label mix;
@@ -529,7 +530,8 @@ class Client:
             h = h + noise.normal(0.0, self.h_noise, size=h.shape)
         return {"h": h}
 
-    def local_stats(self, position, batch_size, round_index=0, target_moments=False, coordinates=False):
+    def local_stats(self, position: int, batch_size: int, round_index: int = 0, target_moments: bool = False,
+                    coordinates: bool = False) -> dict:
         """Local computation of one round: the two items uploaded to the server.
 
         Batches of ``batch_size`` samples are drawn without replacement in a
@@ -560,7 +562,7 @@ class Client:
         return {**upload, "n": self.data.n_train, "compute_s": compute_s,
                 "parts": {"forward_s": forward_s, "stats_s": stats_s}}
 
-    def set_weights(self, position, weights):
+    def set_weights(self, position: int, weights: np.ndarray) -> dict:
         """Replace layer ``position`` by the (group's) trained weights."""
         layer_index = self.model.trainable[position]
         self.model.layers[layer_index].set_weights(_shared_cast(weights, self.model.dtype))
@@ -568,7 +570,7 @@ class Client:
         self.meta_weights[position] = weights
         return {}
 
-    def personalize(self, position, eps, batch_size, private=False):
+    def personalize(self, position: int, eps: float | str, batch_size: int, private: bool = False) -> dict:
         """Local personalization of one layer (eq. 13), through this client's own earlier layers.
 
         The proximal problem is solved in whichever form costs fewer flops
@@ -668,7 +670,7 @@ class Client:
         return W, {"compute_s": time.perf_counter() - start, "method": criterion, "eps": eps,
                    "parts": {"forward_s": forward_s, "stats_s": stats_s, "solve_s": solve_s}}
 
-    def evaluate(self, batch_size=4096):
+    def evaluate(self, batch_size: int = 4096) -> dict:
         """(correct, total) of this client's current model on its local test split, in batches."""
         # Cache through the layers that hold this stage's weights; the rest
         # (not trained yet, or about to be replaced) run uncached.
@@ -682,12 +684,12 @@ class Client:
         correct, total = self.model.accuracy(x, self.data.y_test, batch_size=step, start=start_layer)
         return {"correct": correct, "total": total}
 
-    def final_weights(self):
+    def final_weights(self) -> dict:
         """Weights of every trainable layer (for checks in this process; a run never sends them anywhere)."""
         with self._resident():
             return {"weights": [self.model.layers[i].weights for i in self.model.trainable]}
 
-    def save_personalized(self, path, metadata):
+    def save_personalized(self, path: str | os.PathLike, metadata: dict) -> dict:
         """Write this client's personalized model to ``path`` here, on the client's side of the transport.
 
         Personalization moves no bytes: the weights never go to the server

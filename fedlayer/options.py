@@ -10,7 +10,7 @@ is the config field, the line that copies it here, and its consumer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -35,6 +35,12 @@ FORWARD_MODES = ("cached", "batch")
 UPLOAD_MODES = ("coordinates", "targets")
 #: With gamma="auto" and several groups: one gamma per layer from all groups' sums, or one per group.
 GAMMA_SCOPES = ("all", "group")
+
+
+def _same_named(cls, config, names=None):
+    """The fields of options class ``cls`` that ``config`` has under the same name (of ``names`` when given)."""
+    return {f.name: getattr(config, f.name) for f in fields(cls)
+            if hasattr(config, f.name) and (names is None or f.name in names)}
 
 
 def _check_choice(name, value, choices):
@@ -140,11 +146,17 @@ class ServerOptions:
 
     @classmethod
     def from_config(cls, config, weights_dtype=None) -> ServerOptions:
-        """The options of a :class:`fedlayer.run.RunConfig`, the model's weights kept in ``weights_dtype``."""
-        return cls(gamma=config.gamma, gamma_output=config.gamma_output, gamma_scope=config.gamma_scope,
-                   eps=config.eps, groups=config.groups, seed=config.seed,
-                   batch=BatchPolicy(config.batch_size, config.max_batch_size), eval_every=config.eval_every,
-                   upload=config.upload, weights_dtype=weights_dtype)
+        """The options of a :class:`fedlayer.run.RunConfig`, the model's weights kept in ``weights_dtype``.
+
+        Every field the config has under the same name is copied: a new
+        server option named as its config key needs no line here.
+        """
+        return cls(**_same_named(cls, config), batch=BatchPolicy(config.batch_size, config.max_batch_size),
+                   weights_dtype=weights_dtype)
+
+
+#: The client options the centralized reference's pooled client takes from a run's configuration.
+_POOLED_CLIENT = ("conv_targets", "eps_criterion", "forward")
 
 
 @dataclass(frozen=True)
@@ -208,14 +220,15 @@ class ClientOptions:
     def from_config(cls, config, centralized=False) -> ClientOptions:
         """The options of a :class:`fedlayer.run.RunConfig`'s clients.
 
-        The centralized reference's one pooled client neither fails nor adds
-        noise, and keeps its activations in a temporary folder.
+        Every field the config has under the same name is copied: a new
+        client option named as its config key needs no line here. The
+        centralized reference's one pooled client takes only how it computes
+        (:data:`_POOLED_CLIENT`): it neither fails nor adds noise, and keeps
+        its activations in a temporary folder.
         """
-        shared = {"conv_targets": config.conv_targets, "eps_criterion": config.eps_criterion,
-                  "forward": config.forward}
         if centralized:
-            return cls(**shared)
+            return cls(**_same_named(cls, config, _POOLED_CLIENT))
         # Activations too large for RAM go under the run's output folder (else a temporary one).
         cache_dir = Path(config.output) / "activations" if config.output else None
-        return cls(**shared, cache_dir=cache_dir, drop_probability=config.drop_clients,
-                   round_deadline_s=config.round_deadline, h_noise=config.h_noise)
+        return cls(**_same_named(cls, config), cache_dir=cache_dir, drop_probability=config.drop_clients,
+                   round_deadline_s=config.round_deadline)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 from scipy.linalg import lapack
@@ -64,7 +64,7 @@ class Sum:
     transport: dict = field(default_factory=dict)
 
 
-def pack_upper(G):
+def pack_upper(G: np.ndarray) -> np.ndarray:
     """Upper triangle of square ``G`` row by row, as a contiguous 1-D array of d(d+1)/2 values."""
     d = G.shape[0]
     if G.flags.c_contiguous and G.dtype in (np.float64, np.float32) and d > 0:
@@ -80,7 +80,7 @@ def pack_upper(G):
     return out
 
 
-def unpack_upper(packed, d=None):
+def unpack_upper(packed: np.ndarray, d: int | None = None) -> np.ndarray:
     """Inverse of :func:`pack_upper` (``d`` from the length when None); the strict lower triangle is zero."""
     if d is None:
         d = int(round(((8 * packed.size + 1) ** 0.5 - 1) / 2))
@@ -96,7 +96,7 @@ def unpack_upper(packed, d=None):
     return G
 
 
-def fold(totals, summed, dtype, upper=()):
+def fold(totals: dict, summed: Mapping, dtype, upper: Sequence[str] = ()) -> dict:
     """Add the entries of ``summed`` into ``totals`` (arrays of float kind in ``dtype``); returns ``totals``.
 
     Integer arrays (the secure protocol's fixed-point words) keep their
@@ -158,7 +158,8 @@ class Transport(ABC):
         Sum
         """
 
-    def sum_groups(self, method, group_args, keys, *, dtype=np.float64, upper=()):
+    def sum_groups(self, method: str, group_args: Sequence[tuple], keys: Sequence[str], *, dtype=np.float64,
+                   upper: Sequence[str] = ()) -> Iterator[tuple[Any, Sum]]:
         """:meth:`sum` for several groups of clients: yields ``(key, Sum)`` per group, in the order given.
 
         ``group_args``: sequence of (key, args) with args as in :meth:`sum`.
@@ -169,11 +170,13 @@ class Transport(ABC):
         for key, args in group_args:
             yield key, self.sum(method, args, keys, dtype=dtype, upper=upper)
 
-    def close(self):
+    def close(self) -> None:
         """Release the clients (and, for MPI, tell the ranks to stop)."""
 
 
-def client_side_sum(clients, method, args, keys, dtype, hooks=None, done=None, upper=()):
+def client_side_sum(clients: Mapping, method: str, args: Mapping[int, dict], keys: Sequence[str], dtype,
+                    hooks: Callable | None = None, done: Callable | None = None,
+                    upper: Sequence[str] = ()) -> tuple[dict, dict, dict, dict]:
     """Run and fold clients in this process: the rank-local part of a sum (in process: the whole sum).
 
     Returns (totals, receipts, up_bytes, dropped). ``hooks(cid, method, kwargs)``
@@ -209,14 +212,14 @@ def client_side_sum(clients, method, args, keys, dtype, hooks=None, done=None, u
 class InProcessTransport(Transport):
     """All clients in this process, run sequentially (a simulation)."""
 
-    def __init__(self, clients):
+    def __init__(self, clients: Iterable):
         self._clients = {c.client_id: c for c in clients}
 
     @property
-    def client_ids(self):
+    def client_ids(self) -> list[int]:
         return list(self._clients)
 
-    def call(self, method, args):
+    def call(self, method: str, args: dict[int, dict]) -> Iterator[tuple[int, dict]]:
         for cid, kwargs in args.items():
             try:
                 client = self._clients[cid]
@@ -224,15 +227,15 @@ class InProcessTransport(Transport):
                 raise KeyError(f"no client with id {cid}") from None
             yield cid, getattr(client, method)(**kwargs)
 
-    def sum(self, method, args, keys, *, dtype=np.float64, upper=()):
+    def sum(self, method: str, args: dict[int, dict], keys, *, dtype=np.float64, upper=()) -> Sum:
         totals, receipts, up_bytes, dropped = client_side_sum(self._clients, method, args, keys, dtype, upper=upper)
         return Sum(totals, receipts, up_bytes, dropped)
 
-    def client(self, cid):
+    def client(self, cid: int):
         return self._clients[cid]
 
 
-def overall_accuracy(transport, args=None):
+def overall_accuracy(transport: Transport, args: Mapping[int, dict] | None = None) -> float:
     """Correct predictions over test samples, summed over every client's local test split.
 
     ``args`` (cid -> keyword arguments of ``evaluate``) defaults to no

@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import fastls
 from fedlayer.client import Client, ClientDropout
 from fedlayer.federated import VARIANTS, AllClientsDropped, run_protocol, survivors_solution
 from fedlayer.transport import InProcessTransport, Sum, fold

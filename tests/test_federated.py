@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import fastls
 from fedlayer.client import Client, encoder_for_clustering, label_encoders
 from fedlayer.data import ClientData
-from fedlayer.federated import VARIANTS, AllClientsDropped, Variant, adaptive_batch_sizes, run_protocol
+from fedlayer.federated import VARIANTS, Variant, adaptive_batch_sizes, run_protocol
 from fedlayer.models import build_model
 from fedlayer.timing import Clock, time_summary
 from fedlayer.transport import InProcessTransport

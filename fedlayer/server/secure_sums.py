@@ -182,8 +182,8 @@ class SecureSums:
 
     def _share_self_masks(self, transport, state):
         """The contributors' fresh self masks, shared among them along the graph."""
-        self_masks = transport.sum(ClientMethod.SECURE_SELF_MASK, {c: {"context": state.context, "members": state.chosen}
-                                                                    for c in state.chosen}, ())
+        self_masks = transport.sum(ClientMethod.SECURE_SELF_MASK,
+                                   {c: {"context": state.context, "members": state.chosen} for c in state.chosen}, ())
         state.failed.update(_dropped_in("secure_self_mask", self_masks.dropped))
         outgoing = {}
         for cid, r in self_masks.receipts.items():

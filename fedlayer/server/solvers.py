@@ -37,7 +37,7 @@ class SummedStatistics:
     rows: int = 0
 
 
-def gcv_choice(sums: SummedStatistics, basis):
+def gcv_choice(sums: SummedStatistics, basis: np.ndarray | None) -> tuple[float, fastls.RidgePath, dict]:
     """(gamma, its RidgePath, the round's record of the choice) by GCV on ``sums``; ``sums.G`` is destroyed."""
     path = fastls.RidgePath.from_statistics(sums.G, sums.C, sums.zz, sums.rows, rhs_basis=basis, overwrite_g=True)
     gamma, grid, scores = path.select("gcv")
@@ -57,7 +57,7 @@ class LayerSolver:
         from the round on it.
     """
 
-    def __init__(self, basis, n_groups: int, keep_total: bool = False):
+    def __init__(self, basis: np.ndarray | None, n_groups: int, keep_total: bool = False):
         self.basis, self.n_groups, self.keep_total = basis, n_groups, keep_total
         self.total: SummedStatistics | None = None
 
@@ -70,7 +70,7 @@ class LayerSolver:
             self._accumulate(sums)
         return self._solve_group(k, sums, selection)
 
-    def finish(self, withheld, selection: dict) -> dict[int, np.ndarray]:
+    def finish(self, withheld: dict, selection: dict) -> dict[int, np.ndarray]:
         """The weights of the groups not solved by :meth:`add`: held ones, and each of ``withheld`` (its sum was
         not unmasked) on the total of the others."""
         if not (self._held() or withheld):
@@ -107,7 +107,7 @@ class LayerSolver:
 class FixedGamma(LayerSolver):
     """Every group solved with the given ``gamma``."""
 
-    def __init__(self, gamma: float, basis, n_groups: int, keep_total: bool = False):
+    def __init__(self, gamma: float, basis: np.ndarray | None, n_groups: int, keep_total: bool = False):
         super().__init__(basis, n_groups, keep_total)
         self.gamma = gamma
 
@@ -136,7 +136,7 @@ class GroupGCV(LayerSolver):
 class PooledGCV(LayerSolver):
     """One gamma by GCV on the sums over all groups; each group solved with it once all have arrived."""
 
-    def __init__(self, basis, n_groups: int, keep_total: bool = False):
+    def __init__(self, basis: np.ndarray | None, n_groups: int, keep_total: bool = False):
         super().__init__(basis, n_groups, keep_total=True)
         self._pending = {}
 
@@ -161,7 +161,8 @@ class PooledGCV(LayerSolver):
         return solved
 
 
-def choose_solver(gamma, gamma_scope: str, n_groups: int, basis, keep_total: bool = False) -> LayerSolver:
+def choose_solver(gamma: float | str, gamma_scope: str, n_groups: int, basis: np.ndarray | None,
+                  keep_total: bool = False) -> LayerSolver:
     """The solver of a layer of ``gamma`` (a number or ``"auto"``) with ``n_groups`` groups.
 
     ``keep_total``: the round may withhold groups (secure sums with several

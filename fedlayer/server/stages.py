@@ -68,7 +68,8 @@ VARIANTS = {
 }
 
 
-def adaptive_batch_sizes(durations, first_durations, first_batch, max_batch):
+def adaptive_batch_sizes(durations: dict[int, float], first_durations: dict[int, float], first_batch: dict[int, int],
+                         max_batch: dict[int, int]) -> dict[int, int]:
     """Eq. (7): B_{l+1}^i = min(ceil((T_l^i - T_{l-1}^i) / min_j (T_1^j - T_0^j) * B_1^i), B_max^i).
 
     Parameters
@@ -92,7 +93,7 @@ def adaptive_batch_sizes(durations, first_durations, first_batch, max_batch):
     }
 
 
-def targets_cross(C, basis, position):
+def targets_cross(C: np.ndarray, basis: np.ndarray, position: int) -> np.ndarray:
     """X^T Z = (X^T Y) Q_l from the summed coordinates X^T Y the server asked for, (d, k) -> (d, m)."""
     if C.shape[1] != basis.shape[0]:
         raise ValueError(f"layer {position + 1}: asked for X^T Y's coordinates in the label code "
