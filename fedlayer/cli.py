@@ -198,7 +198,7 @@ class _ProgressBar:
             self.bar.close()
 
 
-def cmd_run(args):
+def cmd_run(args: argparse.Namespace) -> int:
     import fastls
 
     from .models import build_model  # noqa: F401  (import errors surface before data loading)
@@ -288,7 +288,7 @@ def _resume_hint(config):
     return "no checkpoint was kept (give --output or --checkpoint to be able to --resume)"
 
 
-def cmd_plot(args):
+def cmd_plot(args: argparse.Namespace) -> int:
     from .plot import plot_results
 
     for path in plot_results(args.results, args.out):
@@ -367,7 +367,7 @@ def _check_one_run(models):
             owner[cid] = file
 
 
-def cmd_predict(args):
+def cmd_predict(args: argparse.Namespace) -> int:
     from .run import load_dataset
 
     models = _load_models(args.model)
