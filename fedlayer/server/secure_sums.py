@@ -79,7 +79,8 @@ class SecureSums:
         No secret is shared at setup: the masks of a client that drops out
         are removed per sum (:meth:`fedlayer.secure.SecureClientState.reveal`).
         ``rounds``: the records of a resumed run, whose unmasked sums bind
-        the layers still to come. Returns the run's ``secure`` record.
+        the layers still to come. Returns the run's ``secure`` record (kept
+        as :attr:`record`).
         """
         secure = self.server
         publics = {cid: result["public"] for cid, result in transport.call(
@@ -96,8 +97,9 @@ class SecureSums:
         for record in rounds:
             for k, parts in record.get("contributors", {}).items():
                 self.learned[int(k)] += [frozenset(sorted(c for part in parts for c in part)), *map(frozenset, parts)]
-        return {"setup_bytes": sum(map(len, publics.values())),
-                "neighbours": {str(cid): len(nb) for cid, nb in sorted(secure.graph.items())}}
+        self.record = {"setup_bytes": sum(map(len, publics.values())),
+                       "neighbours": {str(cid): len(nb) for cid, nb in sorted(secure.graph.items())}}
+        return self.record
 
     def learn(self, k: int, survivors) -> list:
         """Group ``k``'s sum over ``survivors`` was unmasked: the components of their graph the server decoded."""

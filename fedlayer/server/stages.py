@@ -181,7 +181,7 @@ def initialize(run: ProtocolRun, resume: ServerState | None = None) -> ServerSta
         state = ServerState(group_of, dict(run.first_batch), None,
                             {k: [] for k in range(max(group_of.values()) + 1)}, rounds, 0)
     if run.secure is not None:
-        run.secure.record = run.secure.setup(transport, state.group_of, state.rounds)
+        run.secure.setup(transport, state.group_of, state.rounds)
     for position in range(state.layers_done):
         _send_weights(run, state, position, {k: layers[position] for k, layers in state.group_weights.items()})
     return state
