@@ -41,9 +41,10 @@ import numpy as np
 
 import fastls
 from fedlayer.client import Client
-from fedlayer.federated import survivors_solution
+from fedlayer.server import survivors_solution
 from fedlayer.run import RunConfig, build, load_dataset, make_clients, run
 from fedlayer.secure import FixedPoint, SecureServer, class_means_from_upload, fraction_bits
+from fedlayer.secure_client import SecureClient
 
 from dev_layout import use_shared_data
 
@@ -83,7 +84,8 @@ def threat(dataset, config, out):
     import matplotlib.pyplot as plt
 
     model_config = build(config, dataset).config()
-    clients = [Client(cid, dataset.clients[cid], model_config, config.seed, dataset.n_classes) for cid in range(10)]
+    clients = [SecureClient(Client(cid, dataset.clients[cid], model_config, config.seed, dataset.n_classes))
+               for cid in range(10)]
     target = clients[0]
     Q = target.encoders[0]
     x, y = target.data.x_train.reshape(target.data.n_train, -1).astype(np.float64), target.data.y_train
@@ -455,7 +457,7 @@ def render(report, args):
                   f"differ by {d['secure_vs_plain_rel_diff']:.1e} (relative)."]
     if "vs_survivors_rel_diff" in d["plain 0.1"]:
         lines += ["", "Against centralized ACnnL on each layer's survivors (fresh clients of the same data, one batch "
-                      "each, summed outside any transport, `fedlayer.federated.survivors_solution`): plain "
+                      "each, summed outside any transport, `fedlayer.server.survivors_solution`): plain "
                       f"{d['plain 0.1']['vs_survivors_rel_diff']:.1e}, secure {d['secure 0.1']['vs_survivors_rel_diff']:.1e} "
                       "(largest relative difference of the weights)."]
     if "pfedacnnl" in d:

@@ -1,7 +1,7 @@
 """Every algorithm ``fedlayer run`` knows, by name, and what runs it.
 
 :data:`ALGORITHMS` maps a name to an :class:`Algorithm`: the analytic
-methods (one parametrized protocol, :mod:`fedlayer.federated`) and the
+methods (one parametrized protocol, :mod:`fedlayer.server`) and the
 gradient / zeroth-order baselines (:mod:`fedlayer.baselines`). An algorithm
 checks the parts of a configuration only it cares about, builds its
 clients, trains over a transport and names the files it leaves in the
@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-
-from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -23,9 +22,20 @@ from .baselines import BASELINES, PERSONALIZED, BaselineClient, baseline_hyper, 
 from .baselines.cohort import ClientCohort
 from .baselines.models import MODEL_HIDDEN
 from .baselines.server import BaselineCheckpoints, load_baseline_checkpoint
+from .checkpoint import Checkpointing, load_checkpoint
 from .client import Client, target_bases
-from .federated import VARIANTS, Variant, run_protocol
+from .messages import ClientMethod, ClientProtocol
+from .options import ClientOptions, ServerOptions
 from .secure import SecureServer
+from .secure_client import SecureClient
+from .server import VARIANTS, ServerState, Variant, run_protocol
+
+if TYPE_CHECKING:
+    from .data import ClientData
+    from .models import Model
+    from .run import RunConfig
+    from .timing import Clock
+    from .transport import Transport
 
 __all__ = ["ALGORITHMS", "Algorithm", "AnalyticAlgorithm", "BaselineAlgorithm", "Outcome"]
 
@@ -55,7 +65,7 @@ class Outcome:
     files: dict = field(default_factory=dict)
 
 
-def announce_rounds(progress, total):
+def announce_rounds(progress: Callable[[str], None] | None, total: int) -> None:
     """Tell ``progress`` how many rounds will report, when it can take it (a ``start(total)`` method)."""
     start = getattr(progress, "start", None)
     if start is not None:
@@ -81,32 +91,34 @@ class Algorithm:
     centralized = False
     personalized = False
 
-    def check_config(self, config):
+    def check_config(self, config: RunConfig) -> None:
         """Raise ValueError for settings this algorithm cannot run with."""
 
-    def ignored_options(self, config):
+    def ignored_options(self, config: RunConfig) -> list[str]:
         """Notes (str) on settings ``config`` changes from their defaults that this algorithm never reads."""
         return []
 
-    def make_client(self, cid, data, config, n_classes, model_config, cores):
+    def make_client(self, cid: int, data: ClientData, config: RunConfig, n_classes: int, model_config: dict,
+                    cores: int) -> ClientProtocol | BaselineClient:
         """The client object for client ``cid`` holding ``data``."""
         raise NotImplementedError
 
-    def host(self, clients, config):
+    def host(self, clients: list, config: RunConfig) -> None:
         """Set up what the clients of one process share (called once per process with all its clients)."""
 
-    def train(self, config, transport, model, clock, progress):
+    def train(self, config: RunConfig, transport: Transport, model: Model, clock: Clock,
+              progress: Callable[[str], None] | None) -> Outcome:
         """Train over ``transport``; returns an :class:`Outcome`."""
         raise NotImplementedError
 
 
-def _changed(config, keys):
+def _changed(config: RunConfig, keys):
     """The keys among ``keys`` that ``config`` sets away from their defaults."""
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
     return [key for key in keys if getattr(config, key) != defaults[key]]
 
 
-def _ignored(config, name, keys, applies_to):
+def _ignored(config: RunConfig, name, keys, applies_to):
     """A note naming the options set for ``name`` that it never reads, or None."""
     changed = _changed(config, keys)
     if not changed:
@@ -117,14 +129,14 @@ def _ignored(config, name, keys, applies_to):
 
 
 class AnalyticAlgorithm(Algorithm):
-    """FedACnnL, pFedACnnL and their ablations: :func:`fedlayer.federated.run_protocol` with a :class:`Variant`."""
+    """FedACnnL, pFedACnnL and their ablations: :func:`fedlayer.server.run_protocol` with a :class:`Variant`."""
 
-    def __init__(self, name, variant: Variant, summary, centralized=False):
+    def __init__(self, name: str, variant: Variant, summary: str, centralized: bool = False):
         self.name, self.variant, self.summary, self.centralized = name, variant, summary, centralized
         self.personalized = variant.personalize
 
     @property
-    def federated_stage(self):
+    def federated_stage(self) -> str:
         """The algorithm whose initialization and federated rounds this one runs (its checkpoints fit both).
 
         pFedACnnL-WC trains FedACnnL's stage and personalizes it; pFedACnnL
@@ -139,7 +151,7 @@ class AnalyticAlgorithm(Algorithm):
                 return name
         return self.name
 
-    def ignored_options(self, config):
+    def ignored_options(self, config: RunConfig) -> list[str]:
         """Notes on the options ``config`` sets away from their defaults that this algorithm never reads."""
         notes = []
         if not self.variant.personalize:
@@ -151,7 +163,7 @@ class AnalyticAlgorithm(Algorithm):
         notes.append(_ignored(config, self.name, ("engine", "checkpoint_every"), f"the baselines ({', '.join(BASELINES)})"))
         return [note for note in notes if note]
 
-    def check_config(self, config):
+    def check_config(self, config: RunConfig) -> None:
         for key in ("hyper", "rounds"):
             if getattr(config, key) is not None:
                 raise ValueError(f"{key} applies to the baselines ({', '.join(sorted(BASELINES))}); "
@@ -168,32 +180,29 @@ class AnalyticAlgorithm(Algorithm):
             raise ValueError(f"secure sums need at least min_group_size={config.min_group_size} clients (a sum over "
                              f"fewer reveals too much of each), got clients={config.clients}")
 
-    def make_client(self, cid, data, config, n_classes, model_config, cores):
-        # Activations too large for RAM go under the run's output folder (else a temporary one).
-        cache_dir = Path(config.output) / "activations" if config.output else None
-        return Client(cid, data, model_config, config.seed, n_classes, cores, np.float64, cache_dir=cache_dir,
-                      conv_targets=config.conv_targets, eps_criterion=config.eps_criterion,
-                      drop_probability=config.drop_clients, round_deadline_s=config.round_deadline,
-                      h_noise=config.h_noise, forward=config.forward)
+    def make_client(self, cid: int, data: ClientData, config: RunConfig, n_classes: int, model_config: dict,
+                    cores: int) -> ClientProtocol | BaselineClient:
+        """The client of ``cid``; with ``secure``, wrapped to take part in secure sums (here and only here)."""
+        client = Client(cid, data, model_config, config.seed, n_classes, cores,
+                        ClientOptions.from_config(config, centralized=self.centralized))
+        return SecureClient(client) if config.secure else client
 
-    def train(self, config, transport, model, clock, progress):
+    def train(self, config: RunConfig, transport: Transport, model: Model, clock: Clock,
+              progress: Callable[[str], None] | None) -> Outcome:
         resume_state = None
         checkpoint = config.checkpoint_path()
         if config.resume and checkpoint.exists():
-            from .checkpoint import load_checkpoint
-
-            resume_state = load_checkpoint(checkpoint, config.fingerprint())
+            resume_state = ServerState.from_checkpoint(load_checkpoint(checkpoint, config.fingerprint()))
         n_layers = len(model.trainable)
-        layers_done = resume_state["layers_done"] if resume_state else 0
+        layers_done = resume_state.layers_done if resume_state else 0
         announce_rounds(progress, n_layers - layers_done + (n_layers if self.variant.personalize else 0))
         outcome = run_protocol(
-            transport, n_layers, self.variant, gamma=config.gamma, gamma_output=config.gamma_output, eps=config.eps,
-            gamma_scope=config.gamma_scope,
-            groups=config.groups, seed=config.seed, batch_size=config.batch_size,
-            max_batch_size=config.max_batch_size, clock=clock, progress=progress, checkpoint=checkpoint,
-            resume=resume_state, fingerprint=config.fingerprint(), target_bases=target_bases(model, config.seed, config.conv_targets),
+            transport, n_layers, self.variant, ServerOptions.from_config(config, weights_dtype=model.dtype),
+            target_bases=target_bases(model, config.seed, config.conv_targets),
             secure=SecureServer(config.seed, min_group_size=config.min_group_size) if config.secure else None,
-            eval_every=config.eval_every, weights_dtype=model.dtype, upload=config.upload,
+            clock=clock, progress=progress,
+            checkpoint=None if checkpoint is None else Checkpointing(checkpoint, config.fingerprint()),
+            resume=resume_state,
         )
         group_of = {int(cid): k for cid, k in outcome["groups"].items()}
         group_weights = outcome["group_weights"]
@@ -213,30 +222,30 @@ class AnalyticAlgorithm(Algorithm):
             rounds=outcome["rounds"], accuracy=outcome["accuracy"],
             results={"groups": outcome["groups"],
                      **({"secure": outcome["secure"]} if "secure" in outcome else {}),
-                     "resumed_from_layer": resume_state["layers_done"] if resume_state else None},
+                     "resumed_from_layer": layers_done if resume_state else None},
             in_memory={"group_weights": group_weights}, files=files,
         )
 
 
-def _personal_writer(transport, cid, config, group):
+def _personal_writer(transport, cid, config: RunConfig, group):
     """A writer of client ``cid``'s personalized model: the client writes it, on its side of the transport."""
 
     def write(path):
-        for _ in transport.call("save_personalized", {cid: {"path": str(path),
+        for _ in transport.call(ClientMethod.SAVE_PERSONALIZED, {cid: {"path": str(path),
                                                             "metadata": _model_metadata(config, [cid], group)}}):
             pass  # only the bytes written come back
 
     return write
 
 
-def _model_metadata(config, clients, group):
+def _model_metadata(config: RunConfig, clients, group):
     """What a saved model records besides its weights: the run's settings, and the split and clients to score it on."""
     return {"algorithm": config.algorithm, "gamma": config.gamma,
             **({"gamma_output": config.gamma_output} if config.gamma_output is not None else {}),
             "eps": config.eps, "group": group, "clients": clients, "split": config.split()}
 
 
-def _model_writer(model, weights, config, clients, group):
+def _model_writer(model, weights, config: RunConfig, clients, group):
     """A writer of ``model`` with ``weights``, and with the split and clients it is to be scored on."""
 
     def write(path):
@@ -251,18 +260,18 @@ def _model_writer(model, weights, config, clients, group):
 class BaselineAlgorithm(Algorithm):
     """A gradient or zeroth-order baseline: :func:`fedlayer.baselines.run_baseline`."""
 
-    def __init__(self, name, summary):
+    def __init__(self, name: str, summary: str):
         self.name, self.summary = name, summary
         self.personalized = name in PERSONALIZED
 
-    def ignored_options(self, config):
+    def ignored_options(self, config: RunConfig) -> list[str]:
         """Notes on the options ``config`` sets away from their defaults that this baseline never reads."""
         note = _ignored(config, self.name, ("gamma", "gamma_output", "eps", "eps_criterion", "groups",
                                             "gamma_scope", "min_group_size"),
                         "the analytic methods (fedacnnl, pfedacnnl and their variants)")
         return [note] if note else []
 
-    def check_config(self, config):
+    def check_config(self, config: RunConfig) -> None:
         check_param("model", config.model, [Options(*MODEL_HIDDEN)])
         if config.drop_clients or config.round_deadline is not None or config.secure or config.h_noise \
                 or config.forward != "cached":
@@ -270,7 +279,7 @@ class BaselineAlgorithm(Algorithm):
                              f"methods; {self.name!r} takes none of them")
         baseline_hyper(self.name, config.dataset, config.model, **(config.hyper or {}))  # names unknown keys
 
-    def fingerprint(self, config, hyper):
+    def fingerprint(self, config: RunConfig, hyper: dict) -> dict:
         """The settings that determine a baseline's parameters and records (checked on resume).
 
         Each hyperparameter by name. Not the engine: both give the same
@@ -279,15 +288,17 @@ class BaselineAlgorithm(Algorithm):
         return {"algorithm": self.name, "model": config.model, **config.split(), "eval_every": config.eval_every,
                 **{f"hyperparameter {key}": value for key, value in sorted(hyper.items())}}
 
-    def make_client(self, cid, data, config, n_classes, model_config, cores):
+    def make_client(self, cid: int, data: ClientData, config: RunConfig, n_classes: int, model_config: dict,
+                    cores: int) -> ClientProtocol | BaselineClient:
         return BaselineClient(cid, data, config.model, n_classes, config.seed, cores)
 
-    def host(self, clients, config):
+    def host(self, clients: list, config: RunConfig) -> None:
         """The batched engine joins a process's clients into one cohort; the per-client engine leaves them alone."""
         if config.engine == "batched" and clients:
             ClientCohort(clients)
 
-    def train(self, config, transport, model, clock, progress):
+    def train(self, config: RunConfig, transport: Transport, model: Model, clock: Clock,
+              progress: Callable[[str], None] | None) -> Outcome:
         hyper = baseline_hyper(self.name, config.dataset, config.model, **(config.hyper or {}))
         rounds = config.rounds or hyper.pop("rounds")
         hyper.pop("rounds", None)

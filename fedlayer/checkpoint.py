@@ -25,11 +25,16 @@ import os
 import tempfile
 import zipfile
 import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-__all__ = ["check_fingerprint", "load_checkpoint", "read_state", "save_checkpoint", "write_state"]
+if TYPE_CHECKING:
+    from .server import ServerState
+
+__all__ = ["Checkpointing", "check_fingerprint", "load_checkpoint", "read_state", "save_checkpoint", "write_state"]
 
 _FORMAT = "fedlayer-checkpoint-2"
 #: Fingerprint keys added after checkpoints of this format were written, with the behaviour before them: an
@@ -50,7 +55,8 @@ def _digest(state_json, arrays):
     return digest.hexdigest()
 
 
-def save_checkpoint(path, *, fingerprint, layers_done, group_of, group_weights, batch, first_durations, rounds):
+def save_checkpoint(path: str | os.PathLike, *, fingerprint: dict, layers_done: int, group_of: dict,
+                    group_weights: dict, batch: dict, first_durations: dict | None, rounds: list) -> None:
     """Write the state to ``path`` atomically (temporary file, fsync, rename)."""
     state = {
         "format": _FORMAT,
@@ -66,7 +72,7 @@ def save_checkpoint(path, *, fingerprint, layers_done, group_of, group_weights, 
     write_state(path, state, arrays)
 
 
-def write_state(path, state, arrays, compress=False):
+def write_state(path: str | os.PathLike, state: dict, arrays: dict, compress: bool = False) -> None:
     """Write a JSON-able ``state`` and named ``arrays`` to ``path`` atomically (temporary file, fsync, rename).
 
     The arrays are stored bit for bit with a SHA-256 digest of everything,
@@ -94,7 +100,7 @@ def _start_over(path):
     return f"remove {path} to start over (or run without --resume, which overwrites it)"
 
 
-def check_fingerprint(path, saved, fingerprint):
+def check_fingerprint(path: str | os.PathLike, saved: dict, fingerprint: dict) -> None:
     """Refuse to resume from ``path`` unless the ``saved`` settings equal this run's ``fingerprint``.
 
     The message names every setting that differs with both values, (saved, now).
@@ -107,7 +113,7 @@ def check_fingerprint(path, saved, fingerprint):
                          f"{_start_over(path)}")
 
 
-def read_state(path, expected_format):
+def read_state(path: str | os.PathLike, expected_format: str) -> tuple[dict, dict]:
     """(state, arrays) written by :func:`write_state`, refused unless intact and of ``expected_format``.
 
     Raises
@@ -140,7 +146,7 @@ def read_state(path, expected_format):
     return state, stored
 
 
-def load_checkpoint(path, fingerprint):
+def load_checkpoint(path: str | os.PathLike, fingerprint: dict) -> dict:
     """The state saved by :func:`save_checkpoint`, checked against this run's fingerprint.
 
     Raises
@@ -164,3 +170,23 @@ def load_checkpoint(path, fingerprint):
         "rounds": state["rounds"],
         "group_weights": group_weights,
     }
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Where a run writes its server's state after every trained layer, and the settings it is checked against.
+
+    Attributes
+    ----------
+    path : path
+    fingerprint : dict
+        The run's settings that determine the trained weights
+        (:meth:`fedlayer.run.RunConfig.fingerprint`).
+    """
+
+    path: str | Path
+    fingerprint: dict = field(default_factory=dict)
+
+    def save(self, state: ServerState) -> None:
+        """Write ``state`` (a :class:`fedlayer.server.ServerState`) atomically."""
+        save_checkpoint(self.path, fingerprint=self.fingerprint or {}, **state.fields())

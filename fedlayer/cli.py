@@ -198,7 +198,7 @@ class _ProgressBar:
             self.bar.close()
 
 
-def cmd_run(args, mpi_hooks=None):
+def cmd_run(args: argparse.Namespace, mpi_hooks: object | None = None) -> int:
     import fastls
 
     from .models import build_model  # noqa: F401  (import errors surface before data loading)
@@ -288,7 +288,7 @@ def _resume_hint(config):
     return "no checkpoint was kept (give --output or --checkpoint to be able to --resume)"
 
 
-def cmd_plot(args):
+def cmd_plot(args: argparse.Namespace) -> int:
     from .plot import plot_results
 
     for path in plot_results(args.results, args.out):
@@ -367,7 +367,7 @@ def _check_one_run(models):
             owner[cid] = file
 
 
-def cmd_predict(args):
+def cmd_predict(args: argparse.Namespace) -> int:
     from .run import load_dataset
 
     models = _load_models(args.model)
@@ -407,7 +407,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
 
 
-def main(argv=None, *, mpi_hooks=None):
+def main(argv: list[str] | None = None, *, mpi_hooks: object | None = None) -> int:
     """Run the ``fedlayer`` command line on ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
 
     ``mpi_hooks``: under mpiexec, a :class:`fedlayer.mpi.WorkerHooks` and
@@ -439,7 +439,7 @@ def main(argv=None, *, mpi_hooks=None):
     if unknown:  # named by the subcommand's parser, whose --help lists its options
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     from .baselines.server import Diverged
-    from .federated import AllClientsDropped
+    from .server import AllClientsDropped
     from .secure import SecureAggregationError
 
     try:

@@ -17,6 +17,7 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -24,27 +25,20 @@ import fastls
 
 from .data import ClientData, one_hot
 from .models import Model
+from .options import CLIENT_SCRATCH_BYTES, CONV_TARGETS, EPS_CRITERIA, FORWARD_MODES, ClientOptions
 
 __all__ = ["Client", "ClientDropout", "label_encoders", "encoder_widths", "target_bases", "encoder_for_clustering", "init_weights",
-           "CLIENT_SCRATCH_BYTES", "CONV_TARGETS", "EPS_CRITERIA"]
+           "CLIENT_SCRATCH_BYTES", "CONV_TARGETS", "EPS_CRITERIA", "FORWARD_MODES"]
 
-#: A client computes one layer's statistics at a time, so it can afford more
-#: than fastls's default chunk: on the DCNN's 4 x 4 x 2048 map, 256 MiB takes a
-#: client's ~450 images in one pass of thicker products (measured 4.4 s
-#: against 5.1 s for 375 images at 64 MiB).
-CLIENT_SCRATCH_BYTES = 4 * fastls.tuning.DEFAULT_SCRATCH_BYTES
-
-#: The widest activation of one forward step. Half of this machine's 32 MiB
-#: last-level cache: the first DCNN convolution (K = 76, memory-bound) then
-#: runs its activation and pooling in cache, 1.8 ms per image against 3.6 ms
-#: with 1 GiB steps; the wide layers are unchanged (measured 2026-11-27).
+#: The widest activation of one forward step: half a 32 MiB last-level cache, so that a memory-bound
+#: convolution runs its activation and pooling in cache (docs/results/protocol_notes.md).
 FORWARD_STEP_BYTES = 16 * 2**20
 
 #: eps="auto" takes exact leave-one-out below this many rows per feature and GCV
 #: from the statistics at or above it (n >> d: every leverage is about d / n, the
 #: criteria agree, and leave-one-out's pass over the rows per candidate eps
-#: would cost more than the personalization). At 4 rows per feature, GCV's
-#: choices cost MNIST-DNN pFedACnnL a point of accuracy against leave-one-out.
+#: would cost more than the personalization). Below it GCV's choices cost accuracy
+#: (docs/results/protocol_notes.md).
 GCV_ROWS_PER_FEATURE = 32
 
 
@@ -73,7 +67,7 @@ def _reserve_blocks(path):
             raise OSError(err.errno, message, str(path)) from None
 
 
-def label_encoders(seed, n_classes, widths):
+def label_encoders(seed: int, n_classes: int, widths: Sequence[int]) -> list[np.ndarray]:
     """The set Q = {Q_l} of label-encoding matrices, identical on every client.
 
     Parameters
@@ -101,14 +95,8 @@ def _shared_encoders(seed, n_classes, widths):
     return tuple(_read_only(rng.standard_normal((n_classes, width))) for width in widths[:-1])
 
 
-CONV_TARGETS = ("position", "image")
-EPS_CRITERIA = ("loo", "loo_class")
-#: Where a round's statistics get their layer inputs: the cached activations of the layer before (each sample
-#: passes each trained layer once per stage), or each batch's own forward pass from the input (Algorithm 1, line 8).
-FORWARD_MODES = ("cached", "batch")
 
-
-def encoder_widths(model, conv_targets="position"):
+def encoder_widths(model: Model, conv_targets: str = "position") -> list[int]:
     """d_l of every trainable layer: the width its label encoder Q_l must have.
 
     d_l is the width of the layer's output per sample (the paper's Z_l in
@@ -130,7 +118,7 @@ def encoder_widths(model, conv_targets="position"):
     return widths
 
 
-def personalization_costs(layer, input_shape, n_samples, basis):
+def personalization_costs(layer, input_shape: tuple, n_samples: int, basis: np.ndarray | None) -> dict:
     """Flops of a client's proximal solve of ``layer`` in each form (:func:`fastls.proximal_cost`).
 
     ``n_samples`` training samples give ``rows_per_sample`` least-squares rows
@@ -144,7 +132,7 @@ def personalization_costs(layer, input_shape, n_samples, basis):
                                 gram_flops=layer.gram_flops(input_shape, n_samples))
 
 
-def target_bases(model, seed, conv_targets="position"):
+def target_bases(model: Model, seed: int, conv_targets: str = "position") -> list[np.ndarray | None]:
     """Per trainable layer, the basis its targets are encoded in: Q_l in the model dtype, or None.
 
     Hidden-layer targets are Z_l = Y Q_l, so X^T Z_l = (X^T Y) Q_l and every
@@ -167,7 +155,7 @@ def target_bases(model, seed, conv_targets="position"):
     return bases + [None]
 
 
-def encoder_for_clustering(encoders, n_classes):
+def encoder_for_clustering(encoders: Sequence[np.ndarray], n_classes: int) -> np.ndarray:
     """Q_enc: the encoder of the narrowest layer (eq. 8).
 
     A one-layer model (LR) has no hidden encoder; the identity is used then,
@@ -178,7 +166,7 @@ def encoder_for_clustering(encoders, n_classes):
     return min(encoders, key=lambda Q: Q.shape[1])
 
 
-def init_weights(model, seed):
+def init_weights(model: Model, seed: int) -> None:
     """Seeded initial weights (scaled normal), identical on every client.
 
     FedACnnL replaces every layer's weights, so the initial ones only matter
@@ -252,32 +240,9 @@ class Client:
     cores : int
         Cores this client may use; its local computation runs under
         ``fastls.limit_cores(cores)`` (the paper's 1-4-core edge devices).
-    stat_dtype : numpy dtype, default float64
-        dtype of the uploaded statistics X^T X and X^T Z.
-    scratch_bytes : int, default=CLIENT_SCRATCH_BYTES (256 MiB)
-        Working memory bound for convolution statistics and forward chunks.
-    cache_dir : path or None
-        Where activations too large for RAM (over ``cache_ram_bytes``) are
-        kept as memory-mapped ``.npy`` files; None: a temporary folder,
-        removed with the client. Files of this client id already there
-        (left by a process that was killed) are removed at construction.
-    cache_ram_bytes : int, default=16 MiB
-        Activations of one split up to this size stay in memory.
-    conv_targets : {"position", "image"}, default="position"
-        How a convolution's targets encode the label (:func:`encoder_widths`):
-        a code per output position, or one code per image.
-    forward : {"cached", "batch"}, default="cached"
-        Where the statistics of a round get the layer's inputs. "cached":
-        from the cached inputs of the layer before, moved one layer forward
-        once per round (the fastest). "batch": every batch of the round goes
-        forward from the input layer through all trained layers, as in the
-        paper's Algorithm 1 (line 8), so the batch size of eq. (7) shapes
-        the forward passes as well as the products; for timing studies.
-    eps_criterion : {"loo", "loo_class"}, default="loo"
-        What ``eps="auto"`` minimizes where it takes leave-one-out: the squared
-        error of the targets, or the error rate of the class decision
-        (:meth:`fastls.RidgePath.loo_errors`; a convolution coded per position
-        has no per-class code and keeps "loo").
+    options : ClientOptions, default=ClientOptions()
+        How it computes, caches and fails (:class:`fedlayer.options.ClientOptions`;
+        :meth:`~fedlayer.options.ClientOptions.from_config` for a run's).
 
     Notes
     -----
@@ -288,10 +253,10 @@ class Client:
     through drops them (personalization starts again from the raw data).
     """
 
-    def __init__(self, client_id, data: ClientData, model_config, seed, n_classes, cores=1,
-                 stat_dtype=np.float64, scratch_bytes=CLIENT_SCRATCH_BYTES, cache_dir=None,
-                 cache_ram_bytes=16 * 2**20, conv_targets="position", eps_criterion="loo", drop_probability=0.0,
-                 round_deadline_s=None, h_noise=0.0, forward="cached"):
+    def __init__(self, client_id: int, data: ClientData, model_config: dict, seed: int, n_classes: int,
+                 cores: int = 1, options: ClientOptions | None = None):
+        options = ClientOptions() if options is None else options
+        self.options = options
         self.client_id = int(client_id)
         self.data = data
         self.model = Model.from_config(model_config)
@@ -299,29 +264,22 @@ class Client:
         self.n_classes = int(n_classes)
         data.check_classes(self.n_classes)
         self.cores = int(cores)
-        self.stat_dtype = np.dtype(stat_dtype)
-        self.scratch_bytes = int(scratch_bytes)
+        self.stat_dtype = np.dtype(options.stat_dtype)
+        self.scratch_bytes = int(options.scratch_bytes)
         init_weights(self.model, self.seed)
-        self.conv_targets = conv_targets
-        if eps_criterion not in EPS_CRITERIA:
-            raise ValueError(f"eps_criterion must be one of {EPS_CRITERIA}, got {eps_criterion!r}")
-        self.eps_criterion = eps_criterion
-        if forward not in FORWARD_MODES:
-            raise ValueError(f"forward must be one of {FORWARD_MODES}, got {forward!r}")
-        self.forward = forward
-        if not 0.0 <= drop_probability < 1.0:
-            raise ValueError(f"drop_probability must be in [0, 1), got {drop_probability!r}")
-        self.drop_probability = float(drop_probability)
-        self.round_deadline_s = None if round_deadline_s is None else float(round_deadline_s)
-        if not h_noise >= 0:
-            raise ValueError(f"h_noise must be >= 0, got {h_noise!r}")
-        self.h_noise = float(h_noise)
+        self.conv_targets = options.conv_targets
+        self.eps_criterion = options.eps_criterion
+        self.forward = options.forward
+        self.drop_probability = float(options.drop_probability)
+        self.round_deadline_s = None if options.round_deadline_s is None else float(options.round_deadline_s)
+        self.h_noise = float(options.h_noise)
+        conv_targets = options.conv_targets
         self.encoders = label_encoders(self.seed, self.n_classes, encoder_widths(self.model, conv_targets))
         self.bases = target_bases(self.model, self.seed, conv_targets)
         self.meta_weights = {}  # position -> the group's meta-model weights, kept for personalization
         self.personal_choices = {}  # position -> what a private personalization chose (eps, form): kept here
-        self.cache_ram_bytes = int(cache_ram_bytes)
-        self._cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.cache_ram_bytes = int(options.cache_ram_bytes)
+        self._cache_dir = Path(options.cache_dir) if options.cache_dir is not None else None
         if self._cache_dir is not None:
             # Files a killed process left for this client (a resumed run names its files anew): its
             # finalizers never ran, and nothing else would remove them.
@@ -410,7 +368,7 @@ class Client:
             out[s:s + step] = self.model.forward(x[s:s + step], start=start, stop=layer_index)
         if isinstance(out, np.memmap):
             # No flush: the file is read back by this process through the page
-            # cache, and a synchronous msync cost 0.3 s per 180 MB here.
+            # cache, and a synchronous msync is slow (docs/results/protocol_notes.md).
             path = Path(out.filename)
             del out
             self._drop(split)
@@ -558,7 +516,7 @@ class Client:
         return zz, self.data.n_train * rows_per_sample
 
     # -- methods the server calls -------------------------------------------
-    def label_summary(self):
+    def label_summary(self) -> dict:
         """h_i = (mean label vector of the local training set) Q_enc (eq. 9), plus N(0, h_noise^2) noise.
 
         h_i travels in the clear and tells the server the client's label mix;
@@ -572,7 +530,8 @@ class Client:
             h = h + noise.normal(0.0, self.h_noise, size=h.shape)
         return {"h": h}
 
-    def local_stats(self, position, batch_size, round_index=0, target_moments=False, coordinates=False):
+    def local_stats(self, position: int, batch_size: int, round_index: int = 0, target_moments: bool = False,
+                    coordinates: bool = False) -> dict:
         """Local computation of one round: the two items uploaded to the server.
 
         Batches of ``batch_size`` samples are drawn without replacement in a
@@ -580,7 +539,7 @@ class Client:
         With ``target_moments`` the upload also holds ``zz`` = tr(Z^T Z) and
         ``rows``, the two numbers the server's GCV choice of gamma needs.
         With ``coordinates``, C is X^T Y's coordinates in the layer's label
-        code (:data:`fedlayer.federated.UPLOAD_MODES`).
+        code (:data:`fedlayer.options.UPLOAD_MODES`).
         """
         if batch_size < 1:
             raise ValueError(f"client {self.client_id}: batch_size must be >= 1, got {batch_size}")
@@ -603,86 +562,7 @@ class Client:
         return {**upload, "n": self.data.n_train, "compute_s": compute_s,
                 "parts": {"forward_s": forward_s, "stats_s": stats_s}}
 
-    # -- secure sums (fedlayer.secure): the client's half of the protocol ------
-    def secure_keys(self, min_survivors=1):
-        """Start the secure protocol: fresh X25519 mask and channel key pairs; returns their public keys.
-
-        ``min_survivors``: the fewest clients of a sum this client reveals
-        shares for (:meth:`fedlayer.secure.SecureClientState.reveal`).
-        """
-        from .secure import SecureClientState
-
-        self._secure = SecureClientState(self.client_id, min_survivors)
-        self._secure_pending = {}
-        return {"public": self._secure.public_key()}
-
-    def secure_neighbours(self, public_keys):
-        """The neighbours' public keys (cid -> bytes)."""
-        self._secure.set_neighbours(public_keys)
-        return {}
-
-    def secure_receive(self, shares, context=None):
-        """Encrypted self-mask shares of sum ``context`` addressed to this client (sender cid -> bytes), relayed
-        by the server; returns the senders whose share it could not open ("reports": sender -> why)."""
-        start = time.perf_counter()
-        reports = self._secure.receive_shares(shares, context)
-        return {"compute_s": time.perf_counter() - start, "reports": reports}
-
-    def secure_bound(self, position, batch_size, summed, round_index=0, target_moments=False, upper=(),
-                     coordinates=False):
-        """First half of a secure sum: compute the statistics, keep them, declare their magnitude exponent.
-
-        ``summed`` names the entries of :meth:`local_stats` the server sums;
-        those in ``upper`` are upper-triangular (G) and are kept, encoded and
-        masked as their packed upper triangle, half the words.
-        Returns the exponent (the power of two above the largest of them),
-        the sample count and the busy time; those entries stay here until
-        :meth:`secure_upload` masks them.
-        """
-        from .secure import magnitude_exponent
-        from .transport import pack_upper
-
-        result = self.local_stats(position, batch_size, round_index, target_moments, coordinates)
-        start = time.perf_counter()
-        kept = {key: result.pop(key) for key in summed if key in result}
-        kept.update({key: pack_upper(kept[key]) for key in upper if key in kept})
-        exponent = magnitude_exponent(kept.values())
-        # Only this position's statistics are kept: those of a sum this client was excluded from go now.
-        self._secure_pending = {position: (kept, exponent)}
-        # The packing and the exponent are the protocol's work: counted with the statistics' time.
-        result["compute_s"] += time.perf_counter() - start
-        return {**result, "exponent": exponent}
-
-    def secure_self_mask(self, context, members=None):
-        """A fresh self mask for the sum ``context``, shared among its neighbours in ``members``; returns the shares."""
-        start = time.perf_counter()
-        shares = self._secure.new_self_mask(context, members)
-        return {"shares": shares, "compute_s": time.perf_counter() - start}
-
-    def secure_upload(self, position, context, frac_bits, n_terms, members):
-        """Second half: the kept statistics in fixed point, masked (only their sum over ``members`` decodes).
-
-        The statistics stay until :meth:`secure_reveal` (or the next
-        :meth:`secure_bound`): a sum whose survivors the server may not
-        unmask is masked again, under a new ``context``, over fewer clients.
-        """
-        from .secure import FixedPoint
-
-        start = time.perf_counter()
-        kept, exponent = self._secure_pending[position]
-        with fastls.limit_cores(self.cores):  # the masks' threads stay within the client's cores
-            masked = self._secure.mask(context, kept, members, code=FixedPoint(frac_bits, n_terms), exponent=exponent)
-        return {**masked, "compute_s": time.perf_counter() - start}
-
-    def secure_reveal(self, context, dropped, survivors):
-        """For unmasking the sum ``context``: this sum's pairwise keys with dropped neighbours, self-mask shares of
-        surviving ones."""
-        start = time.perf_counter()
-        shares = self._secure.reveal(context, set(dropped), set(survivors))
-        self._secure_pending.pop(context[0], None)
-        return {"shares": shares, "compute_s": time.perf_counter() - start}
-
-    def set_weights(self, position, weights):
+    def set_weights(self, position: int, weights: np.ndarray) -> dict:
         """Replace layer ``position`` by the (group's) trained weights."""
         layer_index = self.model.trainable[position]
         self.model.layers[layer_index].set_weights(_shared_cast(weights, self.model.dtype))
@@ -690,7 +570,7 @@ class Client:
         self.meta_weights[position] = weights
         return {}
 
-    def personalize(self, position, eps, batch_size, private=False):
+    def personalize(self, position: int, eps: float | str, batch_size: int, private: bool = False) -> dict:
         """Local personalization of one layer (eq. 13), through this client's own earlier layers.
 
         The proximal problem is solved in whichever form costs fewer flops
@@ -790,7 +670,7 @@ class Client:
         return W, {"compute_s": time.perf_counter() - start, "method": criterion, "eps": eps,
                    "parts": {"forward_s": forward_s, "stats_s": stats_s, "solve_s": solve_s}}
 
-    def evaluate(self, batch_size=4096):
+    def evaluate(self, batch_size: int = 4096) -> dict:
         """(correct, total) of this client's current model on its local test split, in batches."""
         # Cache through the layers that hold this stage's weights; the rest
         # (not trained yet, or about to be replaced) run uncached.
@@ -804,12 +684,12 @@ class Client:
         correct, total = self.model.accuracy(x, self.data.y_test, batch_size=step, start=start_layer)
         return {"correct": correct, "total": total}
 
-    def final_weights(self):
+    def final_weights(self) -> dict:
         """Weights of every trainable layer (for checks in this process; a run never sends them anywhere)."""
         with self._resident():
             return {"weights": [self.model.layers[i].weights for i in self.model.trainable]}
 
-    def save_personalized(self, path, metadata):
+    def save_personalized(self, path: str | os.PathLike, metadata: dict) -> dict:
         """Write this client's personalized model to ``path`` here, on the client's side of the transport.
 
         Personalization moves no bytes: the weights never go to the server

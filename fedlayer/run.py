@@ -21,6 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -28,12 +29,11 @@ import fastls
 
 from ._validation import Boolean, InstanceOf, Interval, ListOf, Options, check_params
 from .algorithms import ALGORITHMS
-from .client import CONV_TARGETS, EPS_CRITERIA, FORWARD_MODES, Client
-from .federated import UPLOAD_MODES
-from .data import KNOWN_DATASETS, ClientData, load_federated
-from .models import DCNN_PADDINGS, KNOWN_MODELS, build_model, check_padding
+from .options import CONV_TARGETS, EPS_CRITERIA, FORWARD_MODES, GAMMA_SCOPES, UPLOAD_MODES
+from .data import KNOWN_DATASETS, ClientData, FederatedDataset, load_federated
+from .models import DCNN_PADDINGS, KNOWN_MODELS, Model, build_model, check_padding
 from .timing import Clock, time_summary
-from .transport import InProcessTransport
+from .transport import InProcessTransport, Transport
 
 __all__ = ["RunConfig", "run", "make_clients", "client_cores", "load_dataset", "pooled_data", "CONFIG_CONSTRAINTS"]
 
@@ -52,7 +52,7 @@ CONFIG_CONSTRAINTS = {
     "gamma_output": [None] + _POSITIVE + [Options("auto")],
     "eps": _POSITIVE + [Options("auto")],
     "eps_criterion": [Options(*EPS_CRITERIA)],
-    "gamma_scope": [Options("all", "group")],
+    "gamma_scope": [Options(*GAMMA_SCOPES)],
     "groups": _POSITIVE_INT,
     "seed": [Interval(int, 0, None)],
     "batch_size": _POSITIVE_INT,
@@ -137,7 +137,7 @@ class RunConfig:
     min_group_size: int = 3      # with secure: smaller K-means groups merge into the nearest one
     h_noise: float = 0.0         # std of Gaussian noise each client adds to its label summary h_i (eq. 9)
 
-    def validate(self, where=""):
+    def validate(self, where: str = "") -> RunConfig:
         """Check every value against :data:`CONFIG_CONSTRAINTS` and the algorithm's own rules.
 
         ``where`` prefixes the messages (e.g. the config file's name).
@@ -156,7 +156,7 @@ class RunConfig:
         return self
 
     @classmethod
-    def from_dict(cls, values, where=""):
+    def from_dict(cls, values: dict, where: str = "") -> RunConfig:
         """A validated RunConfig from a dict of its keys (a parsed config file).
 
         ``where`` prefixes the messages (e.g. ``"config run.json: "``).
@@ -169,16 +169,16 @@ class RunConfig:
             raise ValueError(f"{where}unknown configuration keys {unknown}; known keys: {sorted(known)}")
         return cls(**values).validate(where)
 
-    def checkpoint_path(self):
+    def checkpoint_path(self) -> Path | None:
         if self.checkpoint:
             return Path(self.checkpoint)
         return Path(self.output) / "checkpoint.npz" if self.output else None
 
-    def split(self):
+    def split(self) -> dict:
         """The settings that define the clients' data and train/test split (saved with the models)."""
         return {key: getattr(self, key) for key in SPLIT_KEYS}
 
-    def fingerprint(self):
+    def fingerprint(self) -> dict:
         """The settings that determine the trained weights (checked on resume).
 
         "algorithm" is the algorithm whose federated stage this run trains
@@ -194,7 +194,7 @@ class RunConfig:
                 "width": self.width, "padding": self.padding, "conv_targets": self.conv_targets, **self.split()}
 
 
-def client_cores(n_clients, seed, cores=None, available=None):
+def client_cores(n_clients: int, seed: int, cores: list[int] | None = None, available: int | None = None) -> list[int]:
     """Cores per client: the given list cycled, or random 1..available per seed (the paper's 1-4)."""
     if cores:
         return [int(cores[i % len(cores)]) for i in range(n_clients)]
@@ -203,7 +203,7 @@ def client_cores(n_clients, seed, cores=None, available=None):
     return [int(c) for c in rng.integers(1, available + 1, size=n_clients)]
 
 
-def pooled_data(dataset):
+def pooled_data(dataset) -> ClientData:
     """All clients' training data as one client (centralized ACnnL), their test splits together."""
     clients = dataset.clients
     return ClientData(
@@ -214,7 +214,8 @@ def pooled_data(dataset):
     )
 
 
-def make_clients(config: RunConfig, dataset, model_config, client_ids=None, max_cores=None):
+def make_clients(config: RunConfig, dataset, model_config: dict, client_ids: Iterable[int] | None = None,
+                 max_cores: int | None = None) -> list:
     """The client objects for ``client_ids`` (all when None), deterministically from the config.
 
     ``max_cores``: a cap on every client's cores (an MPI rank's share of its node).
@@ -226,8 +227,8 @@ def make_clients(config: RunConfig, dataset, model_config, client_ids=None, max_
     if max_cores is not None:
         cores = [min(c, int(max_cores)) for c in cores]
     if algorithm.centralized:
-        return [Client(0, pooled_data(dataset), model_config, config.seed, dataset.n_classes, max(cores), np.float64,
-                       conv_targets=config.conv_targets, eps_criterion=config.eps_criterion, forward=config.forward)]
+        # The centralized reference: one client of every client's training data, on the most cores of any.
+        return [algorithm.make_client(0, pooled_data(dataset), config, dataset.n_classes, model_config, max(cores))]
     ids = range(len(dataset.clients)) if client_ids is None else client_ids
     clients = []
     for cid in ids:
@@ -240,7 +241,7 @@ def make_clients(config: RunConfig, dataset, model_config, client_ids=None, max_
     return clients
 
 
-def rank_clients(config: RunConfig, rank, size, max_cores=None):
+def rank_clients(config: RunConfig, rank: int, size: int, max_cores: int | None = None) -> list:
     """The clients MPI rank ``rank`` (> 0) of ``size`` hosts: ``1 + cid % (size - 1) == rank``.
 
     Every rank loads the dataset itself (same seed, same partition), builds
@@ -259,7 +260,7 @@ def rank_clients(config: RunConfig, rank, size, max_cores=None):
     return make_clients(config, dataset, model_config, client_ids=ids, max_cores=max_cores) if ids else []
 
 
-def load_dataset(config: RunConfig):
+def load_dataset(config: RunConfig) -> FederatedDataset:
     return load_federated(
         config.dataset,
         n_clients=config.clients,
@@ -274,13 +275,13 @@ def load_dataset(config: RunConfig):
     )
 
 
-def build(config: RunConfig, dataset):
+def build(config: RunConfig, dataset) -> Model:
     """The run's model architecture (untrained) for ``dataset``."""
     return build_model(config.model, dataset.feature_shape, dataset.n_classes, width=config.width,
                        dtype=np.dtype(config.dtype), padding=config.padding)
 
 
-def check_cores(config: RunConfig):
+def check_cores(config: RunConfig) -> None:
     """Refuse clients of more cores than this process may run on, before any work is done."""
     available = fastls.available_cores()
     if config.cores and max(config.cores) > available:
@@ -290,7 +291,7 @@ def check_cores(config: RunConfig):
                          f"process may run on {available}; give --cores values of at most {available}")
 
 
-def check_output_paths(config: RunConfig):
+def check_output_paths(config: RunConfig) -> list[Path]:
     """Refuse an output or checkpoint path that cannot be written, before any work is done.
 
     Creates the output directory (and the checkpoint's) and writes a probe
@@ -330,7 +331,8 @@ def _remove_empty(directories):
             directory.rmdir()  # only an empty directory goes
 
 
-def run(config: RunConfig, transport=None, progress=None, dataset=None):
+def run(config: RunConfig, transport: Transport | None = None, progress: Callable[[str], None] | None = None,
+        dataset=None) -> dict:
     """Run ``config`` in process (or over ``transport``); returns the results dict and writes it if asked.
 
     Parameters

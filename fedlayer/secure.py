@@ -40,7 +40,7 @@ neighbours of its group instead of all of them, so the work grows as n log n.
 * **Few survivors.** A sum over fewer than ``min_survivors`` clients would
   show the server too much of each of them (over one, all of it): a client
   reveals nothing for such a sum, and the server does not ask
-  (:func:`fedlayer.federated.run_protocol` solves that group's layer on
+  (:func:`fedlayer.server.run_protocol` solves that group's layer on
   the other groups' sums instead).
 * **Who contributes.** Every layer's C holds the contributors' class counts in
   its bias row, so two unmasked sums of a group whose contributors differ by
@@ -79,6 +79,7 @@ import math
 import os
 import secrets
 from types import SimpleNamespace
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -91,8 +92,8 @@ PRIME = 2**521 - 1
 _KEY_BYTES = 32
 # Mask keys are AES-128 keys: X25519 gives about 128-bit security, which a
 # 256-bit mask key cannot raise, and AES-128's 10 rounds make the keystream,
-# most of a secure sum's cost, 1.3x faster than AES-256's 14 (9.9 against
-# 7.6 GB/s here).
+# most of a secure sum's cost, faster than AES-256's 14
+# (docs/results/protocol_notes.md).
 _MASK_KEY_BYTES = 16
 _PUBLIC_BYTES = 32  # one X25519 public key
 
@@ -125,7 +126,7 @@ def _crypto():
                            HKDF=HKDF)
 
 
-def class_means_from_upload(C, Q):
+def class_means_from_upload(C: np.ndarray, Q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """What a server computes from one client's plain first-layer upload: its mean input per class.
 
     C = X^T Z with X = [x, 1] and Z = Y Q (Q: n_classes x d_1, full row rank),
@@ -156,24 +157,25 @@ class FixedPoint:
         magnitude so that their sum cannot wrap.
     """
 
-    def __init__(self, frac_bits, n_terms):
+    def __init__(self, frac_bits: int, n_terms: int):
         self.frac_bits = int(frac_bits)
         self.n_terms = max(1, int(n_terms))
         self.scale = float(2.0 ** self.frac_bits)
         self.limit = float(2.0 ** 63 / self.n_terms) / self.scale  # largest |x| a term may hold
 
-    def encode(self, x, name="statistics"):
+    def encode(self, x: np.ndarray, name: str = "statistics") -> np.ndarray:
         """float array -> uint64 words; raises when a value does not fit this term's share of the range."""
         x = np.asarray(x, dtype=np.float64)
         words = np.empty(x.shape, dtype=np.uint64)
         self.encode_into(x.reshape(-1), words.reshape(-1), name=name)
         return words
 
-    def fits(self, exponent):
+    def fits(self, exponent: int) -> bool:
         """Whether every value below 2^exponent in magnitude encodes without wrapping (with rounding's room)."""
         return 2.0 ** (exponent + 1) <= self.limit
 
-    def encode_into(self, x, out, scratch=None, name="statistics", checked=False):
+    def encode_into(self, x: np.ndarray, out: np.ndarray, scratch: np.ndarray | None = None, name: str = "statistics",
+                    checked: bool = False) -> np.ndarray:
         """out[:] = the words of float64 ``x`` (1-D, same length); ``scratch``: a float64 buffer at least as long.
 
         The range is checked on the scaled values (the scale is a power of two,
@@ -194,11 +196,11 @@ class FixedPoint:
         np.copyto(out.view(np.int64), scaled, casting="unsafe")
         return out
 
-    def decode(self, words):
+    def decode(self, words: np.ndarray) -> np.ndarray:
         """uint64 words (a sum of encodings) -> float64."""
         return np.asarray(words, dtype=np.uint64).view(np.int64).astype(np.float64) / self.scale
 
-    def error_bound(self):
+    def error_bound(self) -> float:
         """Largest |integer sum / scale - true sum| per entry: half a unit in the last place per term.
 
         The decoded float64 adds its own rounding, half an ulp of the sum
@@ -215,7 +217,7 @@ def _peak(a):
     return max(float(a.max(initial=0.0)), -float(a.min(initial=0.0)))
 
 
-def fraction_bits(exponents, n_terms, spare_bits=1):
+def fraction_bits(exponents: Sequence[int], n_terms: int, spare_bits: int = 1) -> int:
     """Fractional bits for a sum of ``n_terms`` arrays whose magnitudes stay below 2^exponents[i].
 
     The sum's magnitude is below n_terms * 2^max(exponents); it must stay below
@@ -230,7 +232,7 @@ def fraction_bits(exponents, n_terms, spare_bits=1):
     return min(bits, 52 + 8)
 
 
-def magnitude_exponent(arrays):
+def magnitude_exponent(arrays: Iterable[np.ndarray]) -> int:
     """Smallest e with every |value| < 2^e over ``arrays`` (what a client declares for the scale)."""
     peak = max((_peak(np.asarray(a)) for a in arrays), default=0.0)
     if not np.isfinite(peak):
@@ -248,7 +250,7 @@ SUPPORTED_DROPOUT = 0.2
 SPLIT_FAILURE = 1e-6
 
 
-def split_bound(n, degree, dropout):
+def split_bound(n: int, degree: int, dropout: float) -> float:
     """Upper bound on the chance that the survivors' part of the Harary graph is disconnected.
 
     Each of ``n`` clients drops independently with probability ``dropout``.
@@ -265,7 +267,7 @@ def split_bound(n, degree, dropout):
     return min(1.0, n * n / 2 * float(dropout) ** (2 * (degree // 2)))
 
 
-def secagg_degree(n, dropout=SUPPORTED_DROPOUT, failure=SPLIT_FAILURE):
+def secagg_degree(n: int, dropout: float = SUPPORTED_DROPOUT, failure: float = SPLIT_FAILURE) -> int:
     """The SecAgg+ degree of a group of ``n``: at least 2 ceil(log2 n), and enough that :func:`split_bound` <= ``failure``.
 
     For 100 clients at a dropout rate of 0.2 both give 14; for the 10-13
@@ -280,7 +282,7 @@ def secagg_degree(n, dropout=SUPPORTED_DROPOUT, failure=SPLIT_FAILURE):
     return min(n - 1, max(2, degree))
 
 
-def components(graph, members):
+def components(graph: Mapping[int, Sequence[int]], members: Iterable[int]) -> list[list[int]]:
     """The connected components of ``graph`` (cid -> neighbours) restricted to ``members``, each a sorted list.
 
     Components are listed by their smallest member. The server can decode
@@ -305,7 +307,7 @@ def components(graph, members):
     return parts
 
 
-def close_pairs(sets, min_size):
+def close_pairs(sets: Sequence[frozenset], min_size: int) -> list[tuple[int, int]]:
     """Pairs (i, j), i < j, of ``sets`` that differ by 1 to ``min_size`` - 1 clients (symmetric difference).
 
     The difference of two such sums is the statistics of those few clients
@@ -317,7 +319,7 @@ def close_pairs(sets, min_size):
             if 0 < len(sets[i] ^ sets[j]) < min_size]
 
 
-def combination_leak(sets, min_size):
+def combination_leak(sets: Sequence[frozenset], min_size: int) -> tuple[int, ...] | None:
     """Clients (one, or two when ``min_size`` > 2) whose statistics a linear combination of the sums over
     ``sets`` isolates, or None.
 
@@ -355,7 +357,8 @@ def combination_leak(sets, min_size):
     return None
 
 
-def admissible(candidate, graph, history, min_size):
+def admissible(candidate: Iterable[int], graph: Mapping[int, Sequence[int]], history: Sequence[frozenset],
+               min_size: int) -> bool:
     """Whether unmasking a sum over ``candidate`` keeps every rule: components of at least ``min_size``, each
     (and the whole) equal to or at least ``min_size`` clients away from every set in ``history``, and no
     linear combination of them and ``history`` that isolates one or two clients (:func:`combination_leak`)."""
@@ -377,7 +380,8 @@ def _broken(candidate, graph, history, min_size):
     return broken
 
 
-def choose_contributors(alive, graph, history, min_size):
+def choose_contributors(alive: Sequence[int], graph: Mapping[int, Sequence[int]], history: Sequence[frozenset],
+                        min_size: int) -> list[int] | None:
     """The clients whose sum the server may unmask, out of those able to take part (``alive``); None if none.
 
     The rules (docs/design.md, "Secure sums"): every connected component of
@@ -406,7 +410,7 @@ def choose_contributors(alive, graph, history, min_size):
     return sorted(max(candidates, key=lambda s: (len(s), s in history, sorted(-c for c in s))))
 
 
-def neighbour_graph(cids, seed, degree=None):
+def neighbour_graph(cids: Iterable[int], seed, degree: int | None = None) -> dict[int, list[int]]:
     """Each client's neighbours: a Harary graph (ring with k/2 nearest on each side) over a seeded permutation.
 
     ``degree`` defaults to :func:`secagg_degree` (2 ceil(log2 n), more where
@@ -437,12 +441,12 @@ def neighbour_graph(cids, seed, degree=None):
     return graph
 
 
-def threshold(degree):
+def threshold(degree: int) -> int:
     """Shares needed to rebuild a secret of a client with ``degree`` neighbours: a strict majority."""
     return degree // 2 + 1
 
 
-def shamir_split(secret, n_shares, t):
+def shamir_split(secret: bytes, n_shares: int, t: int) -> list[tuple[int, int]]:
     """``n_shares`` points (x, y) of a random degree t-1 polynomial over GF(PRIME) with f(0) = secret (bytes)."""
     value = int.from_bytes(secret, "big")
     coefficients = [value] + [secrets.randbelow(PRIME) for _ in range(t - 1)]
@@ -481,7 +485,7 @@ def _polynomial(points):
     return at
 
 
-def shamir_combine(shares, length=_KEY_BYTES, t=None):
+def shamir_combine(shares: Sequence[tuple[int, int]], length: int = _KEY_BYTES, t: int | None = None) -> bytes:
     """The secret (``length`` bytes) from at least t shares, by Lagrange interpolation at 0.
 
     With ``t`` and more than t shares, the first t rebuild the polynomial and
@@ -522,12 +526,12 @@ def _mask_key(secret, purpose, context):
     return _derive(secret, purpose, context, length=_MASK_KEY_BYTES)
 
 
-def keystream_words(key, n_words):
+def keystream_words(key: bytes, n_words: int) -> np.ndarray:
     """``n_words`` uint64 words of the AES-CTR keystream under ``key``, counter from 0.
 
     AES-128 for a 16-byte key (the masks' keys), AES-256 for a 32-byte one.
-    AES-CTR rather than ChaCha20: with AES-NI it runs faster here (AES-128
-    9.9, AES-256 7.6, ChaCha20 6.4 GB/s), and the keystream is most of a
+    AES-CTR rather than ChaCha20: with AES-NI it runs faster
+    (docs/results/protocol_notes.md), and the keystream is most of a
     secure sum's cost. Every key is used for one keystream only (HKDF per
     pair and sum).
     """
@@ -642,7 +646,7 @@ def _parse_share(plain, sender):
 class SecureClientState:
     """A client's secrets and the shares it holds for its neighbours; lives with the client only."""
 
-    def __init__(self, cid, min_survivors=1):
+    def __init__(self, cid: int, min_survivors: int = 1):
         self.cid = int(cid)
         self.min_survivors = int(min_survivors)
         self._private = _crypto().X25519PrivateKey.generate()   # the mask key (never leaves this client)
@@ -657,7 +661,7 @@ class SecureClientState:
         self._masked_with = {}   # context -> the neighbours this client's upload of that sum is masked with
         self._unmasked = {}      # group -> the contributor sets of the sums it revealed for (differencing rule)
 
-    def public_key(self):
+    def public_key(self) -> bytes:
         """The public key bundle: the mask key's public key, then the channel key's (64 bytes)."""
         return (self._private.public_key().public_bytes_raw()
                 + self._channel.public_key().public_bytes_raw())
@@ -676,7 +680,7 @@ class SecureClientState:
             self._ciphers[other] = _crypto().ChaCha20Poly1305(_derive(shared, b"shares"))
         return self._ciphers[other]
 
-    def set_neighbours(self, public_keys):
+    def set_neighbours(self, public_keys: Mapping[int, bytes]) -> None:
         """Neighbour -> public key bundle. No key is shared: a dropout's masks are removed per sum (:meth:`reveal`)."""
         self.neighbours = sorted(int(c) for c in public_keys)
         self._public = {int(c): bytes(k) for c, k in public_keys.items()}
@@ -693,7 +697,7 @@ class SecureClientState:
             out[other] = nonce + self._aead(other).encrypt(nonce, plain, None)
         return out
 
-    def receive_shares(self, ciphertexts, context=None):
+    def receive_shares(self, ciphertexts: Mapping[int, bytes], context: tuple | None = None) -> dict[int, str]:
         """Sender -> ciphertext addressed to this client (shares of self masks): decrypted and kept.
 
         Returns sender -> why its share could not be opened (not a neighbour,
@@ -727,7 +731,7 @@ class SecureClientState:
             self._held[(owner, what, got)] = (x, y)
         return reports
 
-    def new_self_mask(self, context, members=None):
+    def new_self_mask(self, context: tuple, members: Iterable[int] | None = None) -> dict[int, bytes]:
         """A fresh self mask for sum ``context``; returns its shares, encrypted per neighbour.
 
         ``members``: the clients taking part in the sum; the shares go to the
@@ -743,7 +747,8 @@ class SecureClientState:
         self._self_masks[context] = secrets.token_bytes(_KEY_BYTES)
         return self._encrypted_shares(self._self_masks[context], "self", context, holders)
 
-    def mask(self, context, entries, members, code=None, exponent=None):
+    def mask(self, context: tuple, entries: Mapping[str, np.ndarray], members: Iterable[int],
+             code: FixedPoint | None = None, exponent: int | None = None) -> dict[str, np.ndarray]:
         """The encoded entries plus the self mask and the pairwise masks with the neighbours in ``members``.
 
         ``entries``: key -> uint64 words, or, with ``code`` (a :class:`FixedPoint`),
@@ -783,7 +788,7 @@ class SecureClientState:
             raise
         return {key: flat[a:b].reshape(shapes[key]) for key, (a, b) in offsets.items()}
 
-    def reveal(self, context, dropped, survivors):
+    def reveal(self, context: tuple, dropped: set[int], survivors: set[int]) -> dict:
         """What the server needs for sum ``context``, per neighbour: for a dropped one, the key of this sum's mask
         between the two; for a surviving one, this client's share of its self mask.
 
@@ -849,21 +854,22 @@ class SecureServer:
     the survivors reveal.
     """
 
-    def __init__(self, seed, degree=None, min_group_size=3):
+    def __init__(self, seed: int, degree: int | None = None, min_group_size: int = 3):
         self.seed = int(seed)
         self.degree = degree
         self.min_group_size = int(min_group_size)
         self.graph = {}
         self.public = {}
 
-    def plan(self, groups):
+    def plan(self, groups: Mapping[int, Sequence[int]]) -> dict[int, list[int]]:
         """groups: group -> member cids. Neighbours are chosen within each group (sums are per group)."""
         self.graph = {}
         for k, members in groups.items():
             self.graph.update(neighbour_graph(members, [self.seed, k], self.degree))
         return self.graph
 
-    def route(self, outgoing, members=None):
+    def route(self, outgoing: Mapping[int, Mapping[int, bytes]], members: Iterable[int] | None = None
+              ) -> tuple[dict[int, dict[int, bytes]], dict[int, str]]:
         """sender -> {receiver: ciphertext} into (receiver -> {sender: ciphertext}, offenders).
 
         A share is forwarded only along an edge of the neighbour graph, to a
@@ -886,7 +892,8 @@ class SecureServer:
                 incoming.setdefault(receiver, {})[sender] = blob
         return incoming, offenders
 
-    def unmask(self, context, masked, survivors, dropped, revealed, members=None):
+    def unmask(self, context: tuple, masked: Mapping[str, np.ndarray], survivors: Sequence[int], dropped: Sequence[int],
+               revealed: Mapping[int, dict], members: Sequence[int] | None = None) -> dict[str, np.ndarray]:
         """The plain sum of the survivors' encoded entries, from the masked sum and what the survivors revealed.
 
         Parameters

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import fastls
 from fedlayer.client import Client, ClientDropout
-from fedlayer.federated import VARIANTS, AllClientsDropped, run_protocol, survivors_solution
+from fedlayer.server import VARIANTS, AllClientsDropped, run_protocol, survivors_solution
 from fedlayer.transport import InProcessTransport, Sum, fold
+from fedlayer.options import BatchPolicy, ClientOptions, ServerOptions
 from numeric_checks import assert_close
 from test_federated import N_CLASSES, client_data, dnn_config, make_data
 
@@ -21,7 +21,8 @@ KEYS = ("G", "C", "zz", "rows")
 def make_clients(rng, n_clients, n=240, **options):
     x, y = make_data(rng, n=n)
     parts = np.array_split(rng.permutation(n), n_clients)
-    return [Client(i, client_data(x, y, p), dnn_config(x.shape[1]), seed=3, n_classes=N_CLASSES, **options)
+    return [Client(i, client_data(x, y, p), dnn_config(x.shape[1]), seed=3, n_classes=N_CLASSES,
+                   options=ClientOptions(**options))
             for i, p in enumerate(parts)], x, y, parts
 
 
@@ -84,7 +85,8 @@ def test_dropouts_leave_the_weights_of_centralized_acnnl_on_the_survivors(seed, 
     clients, *_ = make_clients(rng, n_clients, drop_probability=probability)
     n_layers = 3
     try:
-        outcome = run_protocol(InProcessTransport(clients), n_layers, VARIANTS["fedacnnl"], batch_size=7)
+        outcome = run_protocol(InProcessTransport(clients), n_layers, VARIANTS["fedacnnl"],
+                               ServerOptions(batch=BatchPolicy(7)))
     except AllClientsDropped:
         return  # every client failed in some layer: nothing to compare (the error is tested below)
     plain, *_ = make_clients(np.random.default_rng(seed), n_clients)  # same data, no simulated failures
@@ -99,7 +101,7 @@ def test_dropouts_leave_the_weights_of_centralized_acnnl_on_the_survivors(seed, 
 def test_a_crashing_client_drops_out_of_its_rounds_only(rng):
     clients, *_ = make_clients(rng, 4)
     clients[2] = FailsOn(clients[2], positions={1})
-    outcome = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], batch_size=7)
+    outcome = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], ServerOptions(batch=BatchPolicy(7)))
     rounds = outcome["rounds"]
     assert "dropped" not in rounds[0] and "dropped" not in rounds[2]
     assert rounds[1]["dropped"] == {"2": "OSError: disk of client 2 failed"}
@@ -112,10 +114,10 @@ def test_a_client_that_fails_to_personalize_a_layer_keeps_its_groups_layer(rng):
     """Personalization is local: a client whose step raises keeps the meta-model's layer, the others go on."""
     variant = VARIANTS["pfedacnnl-wc"]
     reference, *_ = make_clients(np.random.default_rng(7), 5)
-    expected = run_protocol(InProcessTransport(reference), 3, variant, batch_size=7)
+    expected = run_protocol(InProcessTransport(reference), 3, variant, ServerOptions(batch=BatchPolicy(7)))
     clients, *_ = make_clients(np.random.default_rng(7), 5)
     clients[2] = FailsOn(clients[2], positions={1}, method="personalize")
-    outcome = run_protocol(InProcessTransport(clients), 3, variant, batch_size=7)
+    outcome = run_protocol(InProcessTransport(clients), 3, variant, ServerOptions(batch=BatchPolicy(7)))
     personal = [r for r in outcome["rounds"] if r["stage"] == "personalization"]
     assert personal[1]["dropped"] == {"2": "OSError: disk of client 2 failed"}
     assert "2" not in personal[1]["clients"] and "2" in personal[2]["clients"]
@@ -178,11 +180,12 @@ def test_only_the_clients_past_the_round_deadline_drop_out_of_that_round(rng):
 
     def run(slow, deadline=None, fail=False, **straggling):
         clients = [_SlowClient(i, client_data(x, y, p), dnn_config(x.shape[1]), seed=3, n_classes=N_CLASSES,
-                               slow_layer=1, round_deadline_s=deadline, **(straggling if i in slow else {}))
+                               options=ClientOptions(round_deadline_s=deadline), slow_layer=1,
+                               **(straggling if i in slow else {}))
                    for i, p in enumerate(parts)]
         if fail:
             clients = [FailsOn(c, positions={1}) if c.client_id in slow else c for c in clients]
-        return run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], batch_size=16)
+        return run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], ServerOptions(batch=BatchPolicy(16)))
 
     late = run({1, 3}, deadline=0.25, delay_s=0.5)
     rounds = late["rounds"]
@@ -201,13 +204,13 @@ def test_drop_probability_out_of_range_is_refused(rng, bad):
     x, y = make_data(rng, n=20)
     with pytest.raises(ValueError, match=r"drop_probability must be in \[0, 1\)"):
         Client(0, client_data(x, y, np.arange(20)), dnn_config(12), seed=0, n_classes=N_CLASSES,
-               drop_probability=bad)
+               options=ClientOptions(drop_probability=bad))
 
 
 def test_each_round_draws_its_own_simulated_dropouts(rng):
     """--drop-clients draws per client and round: layer l's dropouts are the draws of round l, not of round 1."""
     clients, *_ = make_clients(rng, 10, drop_probability=0.4)
-    outcome = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], batch_size=8)
+    outcome = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], ServerOptions(batch=BatchPolicy(8)))
     recorded = [set(map(int, record.get("dropped", {}))) for record in outcome["rounds"]]
     expected = [{c.client_id for c in clients if _drops(c, position, position)} for position in range(3)]
     assert recorded == expected

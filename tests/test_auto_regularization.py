@@ -8,18 +8,19 @@ import pytest
 import fastls
 from fedlayer.cli import main
 from fedlayer.client import Client
-from fedlayer.federated import Variant, run_protocol
+from fedlayer.server import Variant, run_protocol
 from fedlayer.models import build_model
 from fedlayer.transport import InProcessTransport
+from fedlayer.options import BatchPolicy, ClientOptions, ServerOptions
 from numeric_checks import assert_close
 from test_federated import N_CLASSES, client_data, dnn_config, make_data
 
 
-def run_clients(datas, variant, config, **kwargs):
+def run_clients(datas, variant, config, **options):
     clients = [Client(i, data, config, seed=3, n_classes=N_CLASSES) for i, data in enumerate(datas)]
     n_layers = sum(1 for layer in config["layers"] if "units" in layer or "filters" in layer)
-    outcome = run_protocol(InProcessTransport(clients), n_layers, variant, batch_size=16, max_batch_size=64,
-                           **kwargs)
+    outcome = run_protocol(InProcessTransport(clients), n_layers, variant,
+                           ServerOptions(batch=BatchPolicy(first=16, max=64), **options))
     return outcome, clients
 
 
@@ -90,7 +91,7 @@ def test_target_moments_count_every_patch(rng, conv_targets):
     x = rng.random((12, 32, 32, 2))
     y = rng.integers(0, N_CLASSES, 12)
     client = Client(0, client_data(x, y, np.arange(12)), model.config(), seed=1, n_classes=N_CLASSES,
-                    conv_targets=conv_targets)
+                    options=ClientOptions(conv_targets=conv_targets))
     layer = client.model.layers[client.model.trainable[0]]
     rows = layer.ls_rows(x).shape[0]
     targets = client._targets(0, y)
@@ -108,7 +109,7 @@ def test_eps_auto_is_the_clients_own_choice(rng, n, d, scratch_bytes, criterion)
     x, y = make_data(rng, n=n, d=d)
     config = build_model("lr", (d,), N_CLASSES).config()
     client = Client(0, client_data(x, y, np.arange(n)), config, seed=0, n_classes=N_CLASSES,
-                    scratch_bytes=scratch_bytes)
+                    options=ClientOptions(scratch_bytes=scratch_bytes))
     M = rng.standard_normal((d + 1, N_CLASSES))
     client.set_weights(0, M)
     result = client.personalize(0, eps="auto", batch_size=13)
@@ -160,7 +161,7 @@ def test_eps_by_the_class_decision(rng):
     x, y = make_data(rng, n=60, d=20)
     config = build_model("lr", (20,), N_CLASSES).config()
     client = Client(0, client_data(x, y, np.arange(60)), config, seed=0, n_classes=N_CLASSES,
-                    eps_criterion="loo_class")
+                    options=ClientOptions(eps_criterion="loo_class"))
     M = rng.standard_normal((21, N_CLASSES))
     client.set_weights(0, M)
     result = client.personalize(0, eps="auto", batch_size=13)
@@ -169,7 +170,8 @@ def test_eps_by_the_class_decision(rng):
     expected, _, _ = fastls.RidgePath.from_rows(A, np.eye(N_CLASSES)[y], center=M).select("loo_class", labels=y)
     assert result["eps"] == pytest.approx(expected)
     with pytest.raises(ValueError, match="eps_criterion must be one of"):
-        Client(0, client_data(x, y, np.arange(60)), config, seed=0, n_classes=N_CLASSES, eps_criterion="aic")
+        Client(0, client_data(x, y, np.arange(60)), config, seed=0, n_classes=N_CLASSES,
+               options=ClientOptions(eps_criterion="aic"))
 
 
 @pytest.mark.parametrize("gamma_scope", ["all", "group"])

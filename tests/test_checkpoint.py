@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from fedlayer.checkpoint import load_checkpoint
+from fedlayer.checkpoint import Checkpointing, load_checkpoint
 from fedlayer.models import Model
 from fedlayer.run import RunConfig, run
 
@@ -181,7 +181,7 @@ def test_a_checkpoint_resumes_with_the_fingerprint_it_was_saved_with(tmp_path):
 
 def test_an_adaptive_run_checkpoints_eq7s_reference_and_next_batch_sizes(tmp_path, rng):
     """A resumed FedACnnL needs round 1's arrivals (eq. 7's reference) and the batch sizes of the next round."""
-    from fedlayer.federated import VARIANTS, adaptive_batch_sizes
+    from fedlayer.server import VARIANTS, adaptive_batch_sizes
     from fedlayer.timing import Clock
     from test_federated import client_data, dnn_config, make_data, run_clients
 
@@ -192,7 +192,7 @@ def test_an_adaptive_run_checkpoints_eq7s_reference_and_next_batch_sizes(tmp_pat
     path = tmp_path / "checkpoint.npz"
     outcome, _ = run_clients([client_data(x, y, p) for p in parts], VARIANTS["fedacnnl"], config=dnn_config(12),
                              batch_size=first, max_batch_size=cap, clock=Clock(bandwidth_bytes_per_s=2e5),
-                             checkpoint=path, fingerprint={"test": 1})
+                             checkpoint=Checkpointing(path, {"test": 1}))
     state = load_checkpoint(path, {"test": 1})
     arrivals = [{int(c): t["arrival_s"] for c, t in record["clients"].items()} for record in outcome["rounds"]]
     assert state["layers_done"] == 3

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 
 from fedlayer.client import Client, encoder_widths, target_bases
-from fedlayer.federated import Variant, run_protocol
+from fedlayer.server import Variant, run_protocol
 from fedlayer.models import build_model
 from fedlayer.transport import InProcessTransport
+from fedlayer.options import BatchPolicy, ClientOptions, ServerOptions
 from numeric_checks import assert_close
 from test_federated import N_CLASSES, client_data
 
@@ -39,7 +40,7 @@ def test_client_statistics_equal_explicit_patch_rows(rng, conv_targets, padding)
     """G and C of every layer, from the client's streamed kernels, equal [P, 1]^T [P, 1] and [P, 1]^T Z by rows."""
     x, y = images(rng, 9)
     client = Client(0, client_data(x, y, np.arange(9)), small_dcnn(padding).config(), seed=2, n_classes=N_CLASSES,
-                    conv_targets=conv_targets)
+                    options=ClientOptions(conv_targets=conv_targets))
     h = x
     for position, index in enumerate(client.model.trainable):
         layer = client.model.layers[index]
@@ -61,8 +62,8 @@ def test_fedacnnl_with_position_codes_equals_centralized(rng, padding):
     def run(parts):
         clients = [Client(i, client_data(x, y, p), config, seed=5, n_classes=N_CLASSES) for i, p in enumerate(parts)]
         bases = target_bases(small_dcnn(padding), 5)
-        return run_protocol(InProcessTransport(clients), 5, Variant(adaptive=False), batch_size=7,
-                            target_bases=bases)["group_weights"][0]
+        return run_protocol(InProcessTransport(clients), 5, Variant(adaptive=False),
+                            ServerOptions(batch=BatchPolicy(7)), target_bases=bases)["group_weights"][0]
 
     central = run([np.arange(40)])
     federated = run(np.array_split(rng.permutation(40), 3))

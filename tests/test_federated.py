@@ -10,10 +10,11 @@ from hypothesis import strategies as st
 import fastls
 from fedlayer.client import Client, encoder_for_clustering, label_encoders
 from fedlayer.data import ClientData
-from fedlayer.federated import VARIANTS, AllClientsDropped, Variant, adaptive_batch_sizes, run_protocol
+from fedlayer.server import VARIANTS, Variant, adaptive_batch_sizes, run_protocol
 from fedlayer.models import build_model
 from fedlayer.timing import Clock, time_summary
 from fedlayer.transport import InProcessTransport
+from fedlayer.options import BatchPolicy, ClientOptions, ServerOptions
 from numeric_checks import assert_close
 
 N_CLASSES = 4
@@ -35,13 +36,17 @@ def dnn_config(d):
     return build_model("dnn", (d,), N_CLASSES, width=0.25).config()
 
 
-def run_clients(datas, variant, *, config, batch_size=8, order=None, forward="cached", **kwargs):
-    clients = [Client(i, data, config, seed=3, n_classes=N_CLASSES, forward=forward) for i, data in enumerate(datas)]
+def run_clients(datas, variant, *, config, batch_size=8, max_batch_size=1024, order=None, forward="cached",
+                clock=Clock(), checkpoint=None, **options):
+    clients = [Client(i, data, config, seed=3, n_classes=N_CLASSES, options=ClientOptions(forward=forward))
+               for i, data in enumerate(datas)]
     if order is not None:
         clients = [clients[i] for i in order]
     transport = InProcessTransport(clients)
     n_layers = sum(1 for layer in config["layers"] if "units" in layer or "filters" in layer)
-    outcome = run_protocol(transport, n_layers, variant, batch_size=batch_size, **kwargs)
+    outcome = run_protocol(transport, n_layers, variant,
+                           ServerOptions(batch=BatchPolicy(batch_size, max_batch_size), **options), clock=clock,
+                           checkpoint=checkpoint)
     return outcome, transport
 
 
@@ -244,7 +249,7 @@ def test_server_memory_does_not_grow_with_clients(rng):
         clients = [Client(i, client_data(x, y, p), config, seed=0, n_classes=N_CLASSES) for i, p in enumerate(parts)]
         transport = InProcessTransport(clients)
         tracemalloc.start()
-        run_protocol(transport, 1, VARIANTS["fedacnnl-wa"], batch_size=16)
+        run_protocol(transport, 1, VARIANTS["fedacnnl-wa"], ServerOptions(batch=BatchPolicy(16)))
         peaks[n_clients] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     stat_bytes = (d + 1) * (d + 1) * 8

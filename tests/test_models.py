@@ -24,6 +24,7 @@ from fedlayer.models import (
     get_activation,
     model_from_layers,
 )
+from fedlayer.options import ClientOptions
 
 DTYPES = [np.float32, np.float64]
 
@@ -628,7 +629,8 @@ def _small_cnn_client(rng, cache_ram_bytes, tmp_path, dtype=np.float64):
     model = build_model("dcnn", (32, 32, 3), 4, width=1 / 64, dtype=dtype)
     data = ClientData(rng.random((23, 32, 32, 3)), rng.integers(0, 4, 23), rng.random((9, 32, 32, 3)),
                       rng.integers(0, 4, 9))
-    return Client(3, data, model.config(), 0, 4, cache_ram_bytes=cache_ram_bytes, cache_dir=tmp_path)
+    return Client(3, data, model.config(), 0, 4, options=ClientOptions(cache_dir=tmp_path,
+                                                                       cache_ram_bytes=cache_ram_bytes))
 
 
 @pytest.mark.parametrize("cache_ram_bytes", [0, 2**30])
@@ -743,7 +745,7 @@ def test_forward_mode_is_checked(rng, tmp_path):
 
     client = _small_cnn_client(rng, 0, tmp_path)
     with pytest.raises(ValueError, match=r"forward must be one of \('cached', 'batch'\), got 'lazy'"):
-        Client(0, client.data, client.model.config(), 0, 4, forward="lazy")
+        Client(0, client.data, client.model.config(), 0, 4, options=ClientOptions(forward="lazy"))
     with pytest.raises(ValueError, match="forward"):
         RunConfig(forward="lazy").validate()
     with pytest.raises(ValueError, match="forward apply to the analytic methods"):

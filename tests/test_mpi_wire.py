@@ -14,6 +14,7 @@ from mpi_faults_entry import InjectedFaults
 import fastls
 import fedlayer
 from fedlayer.mpi import MPITransport, Op, ServerHooks, WorkerHooks, wire
+from fedlayer.messages import Dropout
 from fedlayer.transport import client_side_sum
 
 
@@ -128,7 +129,10 @@ def test_a_sum_step_hook_that_raises_drops_that_client_as_in_process():
     faults = InjectedFaults(fail_step="statistics:1:0")
     totals, receipts, _, dropped = client_side_sum(clients, "statistics", args, ["G"], np.float64,
                                                    hooks=faults.before_sum_step)
-    assert dropped == {1: "RuntimeError: injected failure of statistics for client 1 (FEDLAYER_TEST_FAIL_STEP)"}
+    assert list(dropped) == [1]
+    assert dropped[1] == Dropout("injected failure of statistics for client 1 (FEDLAYER_TEST_FAIL_STEP)",
+                                 "RuntimeError", "statistics")
+    assert str(dropped[1]) == "RuntimeError: injected failure of statistics for client 1 (FEDLAYER_TEST_FAIL_STEP)"
     np.testing.assert_array_equal(totals["G"], np.full((2, 2), 1.0 + 3.0))
     assert sorted(receipts) == [0, 2]
 

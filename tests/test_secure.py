@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedlayer.client import Client
-from fedlayer.federated import EXCLUDED, VARIANTS, merge_small_groups, run_protocol
+from fedlayer.server import EXCLUDED, VARIANTS, merge_small_groups, run_protocol
 from fedlayer.secure import (
     _CHUNK_WORDS,
     FixedPoint,
@@ -25,6 +25,10 @@ from fedlayer.secure import (
     threshold,
 )
 from fedlayer.transport import InProcessTransport, pack_upper, unpack_upper
+from fedlayer.options import BatchPolicy, ClientOptions, ServerOptions
+from fedlayer.checkpoint import Checkpointing
+from fedlayer.server import ServerState
+from fedlayer.secure_client import SecureClient
 from numeric_checks import assert_close
 from test_federated import N_CLASSES, client_data, dnn_config, make_data
 
@@ -401,8 +405,9 @@ def test_a_survivor_that_does_not_reveal_its_pairwise_key_stops_the_unmasking(rn
 def _clients(rng, n_clients, **options):
     x, y = make_data(rng, n=300)
     parts = np.array_split(rng.permutation(300), n_clients)
-    return [Client(i, client_data(x, y, p), dnn_config(x.shape[1]), seed=3, n_classes=N_CLASSES, **options)
-            for i, p in enumerate(parts)]
+    # Wrapped for secure sums: the same clients in the plain runs they are compared with (the wrapper adds steps).
+    return [SecureClient(Client(i, client_data(x, y, p), dnn_config(x.shape[1]), seed=3, n_classes=N_CLASSES,
+                                options=ClientOptions(**options))) for i, p in enumerate(parts)]
 
 
 @pytest.mark.parametrize("name,options,protocol", [
@@ -412,10 +417,11 @@ def _clients(rng, n_clients, **options):
 ])
 def test_secure_weights_equal_the_plain_ones_to_the_rounding(rng, name, options, protocol):
     seed = int(rng.integers(2**31))
+    server_options = ServerOptions(groups=2, batch=BatchPolicy(7), **protocol)
     plain = run_protocol(InProcessTransport(_clients(np.random.default_rng(seed), 9, **options)), 3, VARIANTS[name],
-                         batch_size=7, groups=2, **protocol)
+                         server_options)
     secure = run_protocol(InProcessTransport(_clients(np.random.default_rng(seed), 9, **options)), 3, VARIANTS[name],
-                          batch_size=7, groups=2, secure=SecureServer(seed=5, min_group_size=2), **protocol)
+                          server_options, secure=SecureServer(seed=5, min_group_size=2))
     # The same partition; secure mode numbers its groups by their first member (merge_small_groups).
     members = {}
     for result in (plain, secure):
@@ -444,11 +450,11 @@ def test_secure_weights_equal_the_plain_ones_to_the_rounding(rng, name, options,
         assert any(r.get("dropped") for r in secure["rounds"])
 
 
-class _FailingClient(Client):
+class _FailingClient(SecureClient):
     """A client that raises in the named protocol steps: ``fail`` holds (method, layer position) pairs."""
 
-    def __init__(self, *args, fail=(), **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, client, fail=()):
+        super().__init__(client)
         self.fail, self.calls = set(fail), []
 
     def _step(self, method, position):
@@ -458,7 +464,7 @@ class _FailingClient(Client):
 
     def local_stats(self, position, *args, **kwargs):
         self._step("local_stats", position)
-        return super().local_stats(position, *args, **kwargs)
+        return self.client.local_stats(position, *args, **kwargs)
 
     def secure_self_mask(self, context, members=None):
         self._step("secure_self_mask", context[0])
@@ -478,7 +484,7 @@ def _failing_clients(seed, n_clients, fail):
     rng = np.random.default_rng(seed)
     x, y = make_data(rng, n=300)
     parts = np.array_split(rng.permutation(300), n_clients)
-    return [_FailingClient(i, client_data(x, y, p), dnn_config(x.shape[1]), seed=3, n_classes=N_CLASSES,
+    return [_FailingClient(Client(i, client_data(x, y, p), dnn_config(x.shape[1]), seed=3, n_classes=N_CLASSES),
                            fail=fail.get(i, ())) for i, p in enumerate(parts)]
 
 
@@ -494,18 +500,19 @@ def test_a_client_that_drops_out_after_masking_is_removed_and_kept_out_of_its_gr
     # (their difference: its statistics' bias parts, its class counts): it is excluded as if it had dropped,
     # and every layer equals the plain run in which it misses all three. Before, it was back in.
     seed = int(rng.integers(2**31))
-    plain = run_protocol(InProcessTransport(_failing_clients(seed, 9, {4: {("local_stats", p) for p in range(3)}})),
-                         3, VARIANTS["fedacnnl"], batch_size=7)
+    plain = run_protocol(InProcessTransport(_failing_clients(seed, 9, {4: {("local_stats", p) for p in range(3)}})), 3,
+                         VARIANTS["fedacnnl"], ServerOptions(batch=BatchPolicy(7)))
     clients = _failing_clients(seed, 9, {4: {("secure_upload", 0)}})
     server = SecureServer(seed=5)
-    secure = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], batch_size=7, secure=server)
+    secure = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], ServerOptions(batch=BatchPolicy(7)),
+                          secure=server)
     _assert_same_weights(plain, secure)
     assert "secure_upload" in secure["rounds"][0]["dropped"]["4"]
     assert [r["dropped"] for r in secure["rounds"][1:]] == [{"4": EXCLUDED.format(m=3)}] * 2
     assert [r["contributors"] for r in secure["rounds"]] == [{"0": [[0, 1, 2, 3, 5, 6, 7, 8]]}] * 3
     assert "rekeyed" not in secure["secure"]
     for other in server.graph[4]:
-        assert clients[other]._secure._public[4] == server.public[4] == clients[4]._secure.public_key()
+        assert clients[other].state._public[4] == server.public[4] == clients[4].state.public_key()
 
 
 def test_self_masks_are_shared_among_the_neighbours_still_in_the_sum(rng):
@@ -515,10 +522,11 @@ def test_self_masks_are_shared_among_the_neighbours_still_in_the_sum(rng):
     # (found on MNIST: pFedACnnL, --secure --drop-clients 0.1 stopped in layer 3).
     seed = int(rng.integers(2**31))
     lost = {cid: {("local_stats", 1)} for cid in (1, 3, 5, 7)}
-    plain = run_protocol(InProcessTransport(_failing_clients(seed, 9, lost)), 3, VARIANTS["fedacnnl"], batch_size=7)
+    plain = run_protocol(InProcessTransport(_failing_clients(seed, 9, lost)), 3, VARIANTS["fedacnnl"],
+                         ServerOptions(batch=BatchPolicy(7)))
     server = SecureServer(seed=5)
-    secure = run_protocol(InProcessTransport(_failing_clients(seed, 9, lost)), 3, VARIANTS["fedacnnl"], batch_size=7,
-                          secure=server)
+    secure = run_protocol(InProcessTransport(_failing_clients(seed, 9, lost)), 3, VARIANTS["fedacnnl"],
+                          ServerOptions(batch=BatchPolicy(7)), secure=server)
     assert all(len(neighbours) == 8 for neighbours in server.graph.values())
     assert sorted(secure["rounds"][1]["dropped"]) == ["1", "3", "5", "7"]
     _assert_same_weights(plain, secure)
@@ -529,11 +537,11 @@ def test_failures_in_every_step_of_a_secure_sum_are_dropouts(rng):
     # group's later sums too, which would otherwise differ from layer 1's by client 2 alone).
     # Layer 2: client 5 fails revealing its shares (its upload is in the sum; the others' shares suffice).
     seed = int(rng.integers(2**31))
-    plain = run_protocol(InProcessTransport(_failing_clients(seed, 9, {2: {("local_stats", p) for p in range(3)}})),
-                         3, VARIANTS["fedacnnl"], batch_size=7)
+    plain = run_protocol(InProcessTransport(_failing_clients(seed, 9, {2: {("local_stats", p) for p in range(3)}})), 3,
+                         VARIANTS["fedacnnl"], ServerOptions(batch=BatchPolicy(7)))
     secure = run_protocol(InProcessTransport(_failing_clients(seed, 9, {2: {("secure_self_mask", 0)},
-                                                                        5: {("secure_reveal", 1)}})), 3,
-                          VARIANTS["fedacnnl"], batch_size=7, secure=SecureServer(seed=5))
+                                                                        5: {("secure_reveal", 1)}})),
+                          3, VARIANTS["fedacnnl"], ServerOptions(batch=BatchPolicy(7)), secure=SecureServer(seed=5))
     _assert_same_weights(plain, secure)
     assert secure["rounds"][0]["dropped"]["2"].startswith("secure_self_mask: RuntimeError")
     assert secure["rounds"][1]["dropped"]["5"].startswith("secure_reveal (its upload is in the sum): RuntimeError")
@@ -544,12 +552,12 @@ def test_failures_in_every_step_of_a_secure_sum_are_dropouts(rng):
 def test_a_group_with_too_few_survivors_is_solved_on_the_other_groups_sums():
     seed = 1  # a draw whose clients K-means splits 5 / 7 (others may leave one group after merging)
     groups = run_protocol(InProcessTransport(_failing_clients(seed, 12, {})), 1, VARIANTS["pfedacnnl-wp"],
-                          batch_size=7, groups=2, secure=SecureServer(seed=5))["groups"]
+                          ServerOptions(groups=2, batch=BatchPolicy(7)), secure=SecureServer(seed=5))["groups"]
     members = sorted(int(c) for c, k in groups.items() if k == 0)
     assert set(groups.values()) == {0, 1} and len(members) >= 3
     lost = {cid: {("local_stats", 0)} for cid in members[2:]}  # two of group 0 survive layer 1
     result = run_protocol(InProcessTransport(_failing_clients(seed, 12, lost)), 2, VARIANTS["pfedacnnl-wp"],
-                          batch_size=7, groups=2, secure=SecureServer(seed=5))
+                          ServerOptions(groups=2, batch=BatchPolicy(7)), secure=SecureServer(seed=5))
     assert result["groups"] == groups
     first = result["rounds"][1]
     assert first["withheld"] == {"0": {"why": "2 survivor(s) of the secure sum, fewer than min_group_size=3: "
@@ -560,13 +568,13 @@ def test_a_group_with_too_few_survivors_is_solved_on_the_other_groups_sums():
     # No survivor at all in group 0 is solved the same way.
     gone = {cid: {("local_stats", 0)} for cid in members}
     result = run_protocol(InProcessTransport(_failing_clients(seed, 12, gone)), 1, VARIANTS["pfedacnnl-wp"],
-                          batch_size=7, groups=2, secure=SecureServer(seed=5))
+                          ServerOptions(groups=2, batch=BatchPolicy(7)), secure=SecureServer(seed=5))
     assert result["rounds"][1]["withheld"]["0"]["why"].startswith("every client of the group dropped out (")
     np.testing.assert_array_equal(result["group_weights"][0][0], result["group_weights"][1][0])
     # With one group there is no other sum: the run stops and says why.
     with pytest.raises(SecureAggregationError, match=r"layer 1: 2 survivor\(s\) .* no other group's sum"):
-        run_protocol(InProcessTransport(_failing_clients(seed, 5, {c: {("local_stats", 0)} for c in (0, 1, 2)})),
-                     1, VARIANTS["fedacnnl"], batch_size=7, secure=SecureServer(seed=5))
+        run_protocol(InProcessTransport(_failing_clients(seed, 5, {c: {("local_stats", 0)} for c in (0, 1, 2)})), 1,
+                     VARIANTS["fedacnnl"], ServerOptions(batch=BatchPolicy(7)), secure=SecureServer(seed=5))
 
 
 def test_small_groups_merge_into_the_nearest():
@@ -582,7 +590,7 @@ def test_h_noise_blurs_the_label_summary(rng):
     x, y = make_data(rng, n=60)
     data = client_data(x, y, np.arange(60))
     clean = Client(0, data, dnn_config(12), seed=0, n_classes=N_CLASSES).label_summary()["h"]
-    noisy = Client(0, data, dnn_config(12), seed=0, n_classes=N_CLASSES, h_noise=0.5)
+    noisy = Client(0, data, dnn_config(12), seed=0, n_classes=N_CLASSES, options=ClientOptions(h_noise=0.5))
     first, second = noisy.label_summary()["h"], noisy.label_summary()["h"]
     assert not np.allclose(first, clean) and not np.allclose(first, second)  # fresh noise, not the run's seed
     assert 0.2 < np.std(first - clean) < 1.0
@@ -623,7 +631,7 @@ def test_the_server_sees_class_means_in_a_plain_upload_and_noise_in_a_masked_one
 
 def test_a_group_lost_to_failures_and_then_to_the_secure_protocol_names_both_reasons():
     """Seed 0, 3 clients, P = 0.5: clients 0 and 1 fail in layer 1, so client 2 has no neighbour left."""
-    from fedlayer.federated import AllClientsDropped
+    from fedlayer.server import AllClientsDropped
     from fedlayer.run import RunConfig, run
 
     with pytest.raises(AllClientsDropped) as err:
@@ -644,8 +652,8 @@ def test_magnitude_exponent_is_the_smallest_e_above_every_value(values, exponent
 
 def test_every_secure_sum_is_encoded_for_the_clients_in_it(rng, monkeypatch):
     """The fixed point's range is split among the terms actually summed: one share per surviving client."""
-    import fedlayer.federated
     import fedlayer.secure
+    import fedlayer.server.secure_sums
 
     terms = []
     real = fedlayer.secure.FixedPoint
@@ -656,16 +664,16 @@ def test_every_secure_sum_is_encoded_for_the_clients_in_it(rng, monkeypatch):
             super().__init__(frac_bits, n_terms)
 
     monkeypatch.setattr(fedlayer.secure, "FixedPoint", Spy)
-    monkeypatch.setattr(fedlayer.federated, "FixedPoint", Spy)
-    run_protocol(InProcessTransport(_clients(rng, 5)), 2, VARIANTS["fedacnnl"], batch_size=7,
+    monkeypatch.setattr(fedlayer.server.secure_sums, "FixedPoint", Spy)
+    run_protocol(InProcessTransport(_clients(rng, 5)), 2, VARIANTS["fedacnnl"], ServerOptions(batch=BatchPolicy(7)),
                  secure=SecureServer(seed=5))
     assert terms and set(terms) == {5}
 
 
 def test_secure_pfedacnnl_merges_groups_below_the_minimum_size(rng):
     """Five K-means groups of nine clients must leave one below three; merged, none is."""
-    result = run_protocol(InProcessTransport(_clients(rng, 9)), 1, VARIANTS["pfedacnnl-wp"], batch_size=7, groups=5,
-                          secure=SecureServer(seed=5, min_group_size=3))
+    result = run_protocol(InProcessTransport(_clients(rng, 9)), 1, VARIANTS["pfedacnnl-wp"],
+                          ServerOptions(groups=5, batch=BatchPolicy(7)), secure=SecureServer(seed=5, min_group_size=3))
     sizes = np.bincount(list(result["groups"].values()))
     assert sizes.min() >= 3 and sizes.sum() == 9
 
@@ -676,18 +684,18 @@ def test_secure_pfedacnnl_merges_groups_below_the_minimum_size(rng):
 
 def _spy_sums(monkeypatch):
     """Record, for every secure sum the server unmasks, its contributors and the class counts it decodes."""
-    import fedlayer.federated
+    from fedlayer.server import SecureSums
 
     seen = []
-    real = fedlayer.federated._secure_sum
+    real = SecureSums.group_sum
 
-    def spy(*args, **kwargs):
-        outcome, withheld = real(*args, **kwargs)
+    def spy(self, *args, **kwargs):
+        outcome, withheld = real(self, *args, **kwargs)
         if outcome.totals:
             seen.append((frozenset(outcome.receipts), outcome.totals["C"][-1].copy()))
         return outcome, withheld
 
-    monkeypatch.setattr(fedlayer.federated, "_secure_sum", spy)
+    monkeypatch.setattr(SecureSums, "group_sum", spy)
     return seen
 
 
@@ -698,7 +706,7 @@ def test_differencing_two_unmasked_sums_reveals_no_client(rng, monkeypatch):
     seed = int(rng.integers(2**31))
     clients = _failing_clients(seed, 9, {4: {("local_stats", 1)}})
     seen = _spy_sums(monkeypatch)
-    result = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], batch_size=7,
+    result = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], ServerOptions(batch=BatchPolicy(7)),
                           target_bases=clients[0].bases, secure=SecureServer(seed=5))
     assert len(seen) == 3
     histograms = {c.client_id: np.bincount(c.data.y_train, minlength=N_CLASSES) for c in clients}
@@ -771,13 +779,13 @@ def test_a_split_group_sums_its_large_part_only(rng):
     pair, large = sorted(components(graph, survivors), key=len)
     lost = {c: {("local_stats", 0)} for c in range(13) if c not in survivors}
     result = run_protocol(InProcessTransport(_failing_clients(seed, 13, lost)), 1, VARIANTS["fedacnnl"],
-                          batch_size=7, secure=server)
+                          ServerOptions(batch=BatchPolicy(7)), secure=server)
     assert result["rounds"][0]["contributors"] == {"0": [large]}
     assert {int(c): why for c, why in result["rounds"][0]["dropped"].items() if c in map(str, pair)} \
         == dict.fromkeys(pair, EXCLUDED.format(m=3))
     plain = run_protocol(InProcessTransport(_failing_clients(seed, 13, {c: {("local_stats", 0)} for c in range(13)
                                                                          if c not in large})),
-                         1, VARIANTS["fedacnnl"], batch_size=7)
+                         1, VARIANTS["fedacnnl"], ServerOptions(batch=BatchPolicy(7)))
     _assert_same_weights(plain, result)
 
 
@@ -801,8 +809,8 @@ def test_the_default_degree_keeps_the_survivors_connected_at_the_supported_dropo
 class _BogusSharer(_FailingClient):
     """A client that sends ``victim`` a share that does not open, in layer ``position`` + 1."""
 
-    def __init__(self, *args, victim, position=0, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, client, victim, position=0):
+        super().__init__(client)
         self.victim, self.position = victim, position
 
     def secure_self_mask(self, context, members=None):
@@ -819,17 +827,17 @@ def test_a_bogus_share_drops_its_sender_not_its_receiver(rng):
     (any client could so remove a chosen one from a chosen sum); now client 6 reports client 3, which is out."""
     seed = int(rng.integers(2**31))
     clients = _failing_clients(seed, 9, {})
-    clients[3] = _BogusSharer(3, clients[3].data, dnn_config(clients[3].data.x_train.shape[1]), seed=3,
-                              n_classes=N_CLASSES, victim=6)
-    result = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], batch_size=7,
+    clients[3] = _BogusSharer(Client(3, clients[3].data, dnn_config(clients[3].data.x_train.shape[1]), seed=3,
+                                     n_classes=N_CLASSES), victim=6)
+    result = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], ServerOptions(batch=BatchPolicy(7)),
                           secure=SecureServer(seed=5))
     first = result["rounds"][0]
     assert list(first["dropped"]) == ["3"]
     assert first["dropped"]["3"].startswith("secure_self_mask: reported by client 6: client 6: the share from "
                                             "client 3 does not authenticate")
     assert first["contributors"] == {"0": [[0, 1, 2, 4, 5, 6, 7, 8]]}
-    plain = run_protocol(InProcessTransport(_failing_clients(seed, 9, {3: {("local_stats", p) for p in range(3)}})),
-                         3, VARIANTS["fedacnnl"], batch_size=7)
+    plain = run_protocol(InProcessTransport(_failing_clients(seed, 9, {3: {("local_stats", p) for p in range(3)}})), 3,
+                         VARIANTS["fedacnnl"], ServerOptions(batch=BatchPolicy(7)))
     _assert_same_weights(plain, result)
 
 
@@ -921,11 +929,13 @@ def test_a_resumed_secure_run_keeps_the_contributor_rule(rng, tmp_path):
     seed = int(rng.integers(2**31))
     path = tmp_path / "checkpoint.npz"
     run_protocol(InProcessTransport(_failing_clients(seed, 9, {4: {("secure_upload", 0)}})), 1, VARIANTS["fedacnnl"],
-                 batch_size=7, secure=SecureServer(seed=5), checkpoint=path, fingerprint={"test": 1})
+                 ServerOptions(batch=BatchPolicy(7)), secure=SecureServer(seed=5),
+                 checkpoint=Checkpointing(path, {"test": 1}))
     state = load_checkpoint(path, {"test": 1})
     assert state["layers_done"] == 1
-    resumed = run_protocol(InProcessTransport(_failing_clients(seed, 9, {})), 3, VARIANTS["fedacnnl"], batch_size=7,
-                           secure=SecureServer(seed=5), resume=state, fingerprint={"test": 1})
+    resumed = run_protocol(InProcessTransport(_failing_clients(seed, 9, {})), 3, VARIANTS["fedacnnl"],
+                           ServerOptions(batch=BatchPolicy(7)), secure=SecureServer(seed=5),
+                           resume=ServerState.from_checkpoint(state))
     assert [r["contributors"] for r in resumed["rounds"]] == [{"0": [[0, 1, 2, 3, 5, 6, 7, 8]]}] * 3
     assert [r["dropped"] for r in resumed["rounds"][1:]] == [{"4": EXCLUDED.format(m=3)}] * 2
 
@@ -950,7 +960,7 @@ def test_a_failure_after_the_contributors_were_chosen_is_masked_again_over_an_ad
     masks, a new context) without two more of them, which layer 2 then sums."""
     seed = int(rng.integers(2**31))
     clients = _failing_clients(seed, 9, {4: {("secure_upload", 1)}})
-    result = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], batch_size=7,
+    result = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], ServerOptions(batch=BatchPolicy(7)),
                           secure=SecureServer(seed=5))
     second = result["rounds"][1]
     (contributors,) = second["contributors"]["0"]
@@ -962,7 +972,8 @@ def test_a_failure_after_the_contributors_were_chosen_is_masked_again_over_an_ad
     # Masked twice, revealed once: the second masking's context.
     assert sum(call == ("secure_upload", 1) for call in clients[0].calls) == (2 if 0 in contributors else 1)
     fail = {c: {("local_stats", 1)} for c in [4, *excluded]}
-    plain = run_protocol(InProcessTransport(_failing_clients(seed, 9, fail)), 3, VARIANTS["fedacnnl"], batch_size=7)
+    plain = run_protocol(InProcessTransport(_failing_clients(seed, 9, fail)), 3, VARIANTS["fedacnnl"],
+                         ServerOptions(batch=BatchPolicy(7)))
     _assert_same_weights(plain, result)
 
 

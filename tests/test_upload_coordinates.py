@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 
 from fedlayer.client import Client, target_bases
-from fedlayer.federated import Variant, _targets_cross, run_protocol
+from fedlayer.server import Variant, run_protocol, targets_cross
 from fedlayer.models import build_model
 from fedlayer.transport import InProcessTransport
+from fedlayer.options import BatchPolicy, ClientOptions, ServerOptions
 from numeric_checks import assert_close
 from test_federated import N_CLASSES, client_data
 
@@ -27,12 +28,12 @@ IDS = ["dnn", "dcnn-position", "dcnn-image"]
 
 
 @pytest.mark.parametrize("make, conv_targets", CASES, ids=IDS)
-def test_coordinates_times_the_code_are_the_targets_cross(rng, make, conv_targets):
+def test_coordinates_times_the_code_are_thetargets_cross(rng, make, conv_targets):
     """Per layer with a narrower code: the same G, and C_coordinates @ Q_l == X^T Z."""
     model, x = make(rng, 11)
     y = rng.integers(0, N_CLASSES, len(x))
     client = Client(0, client_data(x, y, np.arange(len(x))), model.config(), seed=4, n_classes=N_CLASSES,
-                    conv_targets=conv_targets)
+                    options=ClientOptions(conv_targets=conv_targets))
     bases = target_bases(model, 4, conv_targets)
     assert any(basis is not None for basis in bases), "the case must exercise a layer with a narrower code"
     for position, basis in enumerate(bases):
@@ -59,9 +60,10 @@ def test_weights_and_bytes_of_the_two_uploads(rng, make, conv_targets):
 
     def run(upload):
         clients = [Client(i, client_data(x, y, p), model.config(), seed=6, n_classes=N_CLASSES,
-                          conv_targets=conv_targets) for i, p in enumerate(parts)]
-        return run_protocol(InProcessTransport(clients), len(model.trainable), Variant(adaptive=False), seed=6,
-                            batch_size=5, target_bases=target_bases(model, 6, conv_targets), upload=upload)
+                          options=ClientOptions(conv_targets=conv_targets)) for i, p in enumerate(parts)]
+        return run_protocol(InProcessTransport(clients), len(model.trainable), Variant(adaptive=False),
+                            ServerOptions(seed=6, upload=upload,
+                                          batch=BatchPolicy(5)), target_bases=target_bases(model, 6, conv_targets))
 
     coordinates, targets = run("coordinates"), run("targets")
     for W_coordinates, W_targets in zip(coordinates["group_weights"][0], targets["group_weights"][0]):
@@ -74,10 +76,10 @@ def test_weights_and_bytes_of_the_two_uploads(rng, make, conv_targets):
 def test_server_refuses_coordinates_of_the_wrong_width(rng):
     basis = rng.standard_normal((4, 16))
     C = rng.standard_normal((9, 4))
-    assert_close(_targets_cross(C, basis, 0), C @ basis, np.float64, rtol=1e-12)
+    assert_close(targets_cross(C, basis, 0), C @ basis, np.float64, rtol=1e-12)
     with pytest.raises(ValueError, match=r"layer 2: asked for X\^T Y's coordinates in the label code \(4 columns\), "
                                          r"the clients' sum has 7"):
-        _targets_cross(rng.standard_normal((9, 7)), basis, 1)
+        targets_cross(rng.standard_normal((9, 7)), basis, 1)
 
 
 def test_protocol_refuses_an_unknown_upload(rng):
@@ -85,4 +87,4 @@ def test_protocol_refuses_an_unknown_upload(rng):
     client = Client(0, client_data(x, np.arange(5) % N_CLASSES, np.arange(5)), model.config(), seed=0,
                     n_classes=N_CLASSES)
     with pytest.raises(ValueError, match=r"upload must be one of \('coordinates', 'targets'\), got 'both'"):
-        run_protocol(InProcessTransport([client]), 3, Variant(adaptive=False), groups=1, upload="both")
+        run_protocol(InProcessTransport([client]), 3, Variant(adaptive=False), ServerOptions(groups=1, upload="both"))

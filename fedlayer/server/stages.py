@@ -1,0 +1,440 @@
+"""The server's stages over one :class:`~fedlayer.server.state.ServerState`.
+
+Every algorithm of the paper is the same sequence of stages, switched on or
+off by :class:`Variant`:
+
+1. :func:`initialize`: the seed is broadcast (clients build the same label
+   encoders Q); with clustering, clients upload h_i (eq. 9) and the server
+   groups them with K-means; secure runs exchange keys;
+2. :func:`train_layer`, once per trainable layer (Algorithm 1): clients
+   upload X_l^T X_l and X_l^T Z_l, the server sums them per group and solves
+   eq. (5)/(11) with the layer's solver (:mod:`fedlayer.server.solvers`),
+   clients take their group's weights; batch sizes adapt by eq. (7) unless
+   disabled;
+3. :func:`personalize`: each client solves eq. (13) layer by layer.
+
+:func:`run_protocol` runs them. Time is accounted per client and round by
+:mod:`fedlayer.timing`. See ``docs/design.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+import fastls
+
+from ..checkpoint import Checkpointing
+from ..messages import (UPLOADED, UPPER, ClientMethod, PersonalizeReply, PersonalizeRequest, StatsReceipt,
+                        StatsRequest)
+from ..options import ServerOptions
+from ..secure import SecureAggregationError, SecureServer
+from ..timing import Clock, RoundLog, payload_bytes
+from ..transport import Transport, overall_accuracy
+from .grouping import cluster, merge_small_groups
+from .secure_sums import SecureSums
+from .solvers import LayerSolver, SummedStatistics, choose_solver
+from .state import ServerState, shareable
+
+__all__ = ["AllClientsDropped", "ProtocolRun", "VARIANTS", "Variant", "adaptive_batch_sizes", "initialize",
+           "personalize", "run_protocol", "targets_cross", "train_layer"]
+
+
+class AllClientsDropped(RuntimeError):
+    """Every client of a group dropped out of a round: its layer cannot be solved."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Which stages an algorithm runs."""
+
+    adaptive: bool = True      # eq. (7) batch sizes; False = "-WA"
+    cluster: bool = False      # K-means groups; False = one group ("-WC")
+    personalize: bool = False  # local personalization, eq. (13); False = "-WP"
+
+
+VARIANTS = {
+    "acnnl": Variant(adaptive=False),  # centralized: run with a single client holding all data
+    "fedacnnl": Variant(),
+    "fedacnnl-wa": Variant(adaptive=False),
+    "pfedacnnl": Variant(cluster=True, personalize=True),
+    "pfedacnnl-wc": Variant(cluster=False, personalize=True),
+    "pfedacnnl-wp": Variant(cluster=True, personalize=False),
+}
+
+
+def adaptive_batch_sizes(durations: dict[int, float], first_durations: dict[int, float], first_batch: dict[int, int],
+                         max_batch: dict[int, int]) -> dict[int, int]:
+    """Eq. (7): B_{l+1}^i = min(ceil((T_l^i - T_{l-1}^i) / min_j (T_1^j - T_0^j) * B_1^i), B_max^i).
+
+    Parameters
+    ----------
+    durations : dict cid -> float
+        This round's busy time of each client (compute + communication).
+    first_durations : dict cid -> float
+        The same in round 1.
+    first_batch, max_batch : dict cid -> int
+
+    Returns
+    -------
+    dict cid -> int
+    """
+    fastest = min(first_durations.values())
+    if fastest <= 0:
+        return dict(first_batch)
+    return {
+        cid: int(min(math.ceil(durations[cid] / fastest * first_batch[cid]), max_batch[cid]))
+        for cid in durations
+    }
+
+
+def targets_cross(C: np.ndarray, basis: np.ndarray, position: int) -> np.ndarray:
+    """X^T Z = (X^T Y) Q_l from the summed coordinates X^T Y the server asked for, (d, k) -> (d, m)."""
+    if C.shape[1] != basis.shape[0]:
+        raise ValueError(f"layer {position + 1}: asked for X^T Y's coordinates in the label code "
+                         f"({basis.shape[0]} columns), the clients' sum has {C.shape[1]}")
+    return fastls.matmul(C, basis.astype(C.dtype, copy=False), check_finite=False)
+
+
+@dataclass
+class ProtocolRun:
+    """What the stages of one run share and never change: the clients, the algorithm, its options.
+
+    Attributes
+    ----------
+    transport : Transport
+    n_layers : int
+        Trainable layers of the model (rounds of the federated stage).
+    variant : Variant
+    options : ServerOptions
+    first_batch, max_batch : dict cid -> int
+        B_1^i and B_max^i (:meth:`fedlayer.options.BatchPolicy.sizes`).
+    target_bases : list of (ndarray or None) or None
+        Per layer, the label code Q_l the clients' targets were made with
+        (:func:`fedlayer.client.target_bases`); the server solves on its
+        coordinates (:func:`fastls.ridge_solve`'s ``rhs_basis``).
+    secure : SecureSums or None
+    clock : Clock
+    progress : callable(str) or None
+    checkpoint : Checkpointing or None
+    """
+
+    transport: Transport
+    n_layers: int
+    variant: Variant
+    options: ServerOptions
+    first_batch: dict
+    max_batch: dict
+    target_bases: Sequence | None = None
+    secure: SecureSums | None = None
+    clock: Clock = field(default_factory=Clock)
+    progress: Callable[[str], None] | None = None
+    checkpoint: Checkpointing | None = None
+
+    @property
+    def total_rounds(self) -> int:
+        return self.n_layers * (2 if self.variant.personalize else 1)
+
+    def evaluated(self, done: int) -> bool:
+        """Whether the ``done``-th training round (1-based) is evaluated."""
+        return done % int(self.options.eval_every) == 0 or done == self.total_rounds
+
+    def report(self, state: ServerState, what: str) -> None:
+        """Tell ``progress`` that ``what`` is done, with the last round's accuracy."""
+        if self.progress:
+            accuracy = state.rounds[-1]["accuracy"]
+            self.progress(f"{what}, {'not evaluated' if accuracy is None else f'accuracy {accuracy:.4f}'}")
+
+    def timed_accuracy(self, log: RoundLog, evaluate: bool = True) -> float | None:
+        """Overall test accuracy, its seconds kept in the round's log (evaluation is not training time).
+
+        None, at no cost, when ``evaluate`` is false.
+        """
+        if not evaluate:
+            return None
+        start = time.perf_counter()
+        accuracy = overall_accuracy(self.transport)
+        log.eval_s = time.perf_counter() - start
+        return accuracy
+
+
+# -- initialization -------------------------------------------------------------------------------------
+def initialize(run: ProtocolRun, resume: ServerState | None = None) -> ServerState:
+    """The state the federated stage starts from: groups (clustered when the variant asks), keys when secure.
+
+    A ``resume`` state (:meth:`ServerState.from_checkpoint`) keeps its groups
+    and rounds; its finished layers are sent to the clients again.
+    """
+    transport, options = run.transport, run.options
+    if resume is not None:
+        state = resume
+        state.group_weights = {k: [shareable(W, options.weights_in) for W in layers]
+                               for k, layers in state.group_weights.items()}
+    else:
+        rounds = []
+        group_of = _groups(run, rounds)
+        state = ServerState(group_of, dict(run.first_batch), None,
+                            {k: [] for k in range(max(group_of.values()) + 1)}, rounds, 0)
+    if run.secure is not None:
+        run.secure.setup(transport, state.group_of, state.rounds)
+    for position in range(state.layers_done):
+        _send_weights(run, state, position, {k: layers[position] for k, layers in state.group_weights.items()})
+    return state
+
+
+def _groups(run, rounds):
+    """cid -> group: K-means on the label summaries when the variant clusters (its round appended to
+    ``rounds``), else one group."""
+    cids = run.transport.client_ids
+    if not run.variant.cluster:
+        return {cid: 0 for cid in cids}
+    init = RoundLog("initialization", None, run.clock)
+    summaries = {}
+    for cid, result in run.transport.call(ClientMethod.LABEL_SUMMARY, {cid: {} for cid in cids}):
+        summaries[cid] = result["h"]
+        init.arrived(cid, 0.0, payload_bytes(result))
+    start = time.perf_counter()
+    group_of = cluster(summaries, run.options.groups, run.options.seed)
+    if run.secure is not None:
+        group_of = merge_small_groups(group_of, summaries, run.secure.min_group_size)
+    init.server_s = time.perf_counter() - start
+    rounds.append(init.record(None))
+    return group_of
+
+
+def _send_weights(run, state, position, weights, log=None):
+    """Every client takes its group's weights of layer ``position`` (counted in ``log`` when given)."""
+    set_args = {cid: {"position": position, "weights": weights[state.group_of[cid]]}
+                for cid in run.transport.client_ids}
+    for cid, _ in run.transport.call(ClientMethod.SET_WEIGHTS, set_args):
+        if log is not None:
+            log.sent(cid, weights[state.group_of[cid]].nbytes + 8)  # the weights and the next batch size
+
+
+# -- federated optimization -----------------------------------------------------------------------------
+@dataclass
+class _LayerRound:
+    """One federated round in progress: its log, its solver and what the groups gave."""
+
+    position: int
+    log: RoundLog
+    solver: LayerSolver
+    basis: np.ndarray | None
+    coordinates: bool
+    weights: dict = field(default_factory=dict)       # group -> the layer's weights
+    withheld: dict = field(default_factory=dict)      # group -> why its secure sum was not unmasked
+    contributors: dict = field(default_factory=dict)  # group -> the components of its unmasked secure sum
+
+
+def train_layer(run: ProtocolRun, state: ServerState, position: int) -> None:
+    """One federated round: layer ``position`` trained, sent to the clients, recorded (and checkpointed)."""
+    log = RoundLog("federated", position, run.clock)
+    log.batch = dict(state.batch)
+    basis = run.target_bases[position] if run.target_bases else None
+    gamma = run.options.gamma_of(position, run.n_layers)
+    n_groups = state.n_groups
+    # Secure sums with groups: a group left with too few survivors to unmask is solved on the total of the
+    # other groups' sums (those are unmasked anyway), so that total is kept.
+    solver = choose_solver(gamma, run.options.gamma_scope, n_groups, basis,
+                           keep_total=run.secure is not None and n_groups > 1)
+    layer = _LayerRound(position, log, solver, basis, run.options.upload == "coordinates" and basis is not None)
+    request = {cid: StatsRequest(position, state.batch[cid], position, target_moments=gamma == "auto",
+                                 coordinates=layer.coordinates).kwargs() for cid in run.transport.client_ids}
+    group_args = [(k, {cid: request[cid] for cid in run.transport.client_ids if state.group_of[cid] == k})
+                  for k in range(n_groups)]
+    # One group at a time: the server holds one group's sums and one client's statistics (docs/design.md).
+    with contextlib.closing(_group_sums(run, group_args)) as sums:
+        for k, outcome, why_withheld in sums:
+            _take_group(run, state, layer, k, outcome, why_withheld)
+    _finish_layer(run, state, layer)
+    _end_round(run, state, layer)
+
+
+def _group_sums(run, group_args):
+    """(group, Sum, why it was withheld or None) per group; the transport's sums, or the secure protocol's."""
+    if run.secure is not None:
+        for k, args in group_args:
+            yield (k, *run.secure.group_sum(run.transport, k, args, run.options.stat_dtype))
+        return
+    stream = run.transport.sum_groups(ClientMethod.LOCAL_STATS, group_args, UPLOADED, dtype=run.options.stat_dtype,
+                                      upper=UPPER)
+    try:
+        for k, outcome in stream:
+            yield k, outcome, None
+    finally:
+        # A layer left early (an error): the transport takes the rest of the groups' messages now, so that
+        # the clients' side can end this command before the next (or a stop).
+        stream.close()
+
+
+def _take_group(run, state, layer, k, outcome, why_withheld):
+    """Record group ``k``'s sum and hand it to the layer's solver (or withhold the group, or stop the run)."""
+    log, n_groups = layer.log, state.n_groups
+    for cid, receipt in outcome.receipts.items():
+        stats = StatsReceipt.from_result(receipt)
+        log.arrived(cid, stats.compute_s, outcome.up_bytes[cid], parts=stats.parts)
+    log.dropped.update({cid: str(why) for cid, why in outcome.dropped.items()})
+    log.transport.update({f"group {k} {where}": v for where, v in outcome.transport.items()})
+    if why_withheld is not None:
+        if n_groups == 1:
+            raise SecureAggregationError(f"layer {layer.position + 1}: {why_withheld}, and there is no other "
+                                         f"group's sum to solve it on")
+        layer.withheld[k] = why_withheld
+        return
+    if not outcome.receipts:
+        if outcome.dropped and run.secure is not None and n_groups > 1:
+            # Secure sums with groups: no survivor is the extreme of too few (solved the same way).
+            layer.withheld[k] = f"every client of the group dropped out ({len(outcome.dropped)}): no secure sum"
+        elif outcome.dropped:
+            _all_dropped(k, layer.position, outcome.dropped)
+        return
+    if run.secure is not None:
+        layer.contributors[k] = run.secure.learn(k, outcome.receipts)
+    totals, outcome.totals = outcome.totals, {}  # the sums are the solver's from here (their memory too)
+    C = targets_cross(totals["C"], layer.basis, layer.position) if layer.coordinates else totals["C"]
+    sums = SummedStatistics(totals.pop("G"), C, float(totals.get("zz", 0.0)), int(totals.get("rows", 0)))
+    del totals, C
+    start = time.perf_counter()
+    W = layer.solver.add(k, sums, log.selection)
+    del sums
+    if W is not None:
+        layer.weights[k] = state.install(k, W, run.options.weights_in)
+    log.server_s += time.perf_counter() - start
+
+
+def _all_dropped(k, position, dropped):
+    """Raise AllClientsDropped for group ``k``, naming one client per kind of failure (a simulated one, a secure
+    step, ...): the last survivors of a secure sum drop for another reason than the clients before them."""
+    kinds = {}
+    for cid, why in dropped.items():
+        kinds.setdefault(why.kind, f"client {cid}: {why}")
+    raise AllClientsDropped(f"every client of group {k} dropped out of layer {position + 1} "
+                            f"({len(dropped)}: {sorted(dropped)}); " + "; ".join(list(kinds.values())[:3]))
+
+
+def _finish_layer(run, state, layer):
+    """The groups the solver holds, and the withheld ones (solved on the other groups' total)."""
+    if layer.withheld and layer.solver.total is None:
+        raise SecureAggregationError(f"layer {layer.position + 1}: no group's secure sum could be unmasked ("
+                                     + "; ".join(f"group {k}: {why}" for k, why in sorted(layer.withheld.items()))
+                                     + ")")
+    start = time.perf_counter()
+    for k, W in layer.solver.finish(layer.withheld, layer.log.selection).items():
+        layer.weights[k] = state.install(k, W, run.options.weights_in)
+    for k, why in sorted(layer.withheld.items()):
+        layer.log.withheld[k] = {"why": why, "solved_on": sorted(set(range(state.n_groups)) - set(layer.withheld))}
+    layer.log.server_s += time.perf_counter() - start
+
+
+def _end_round(run, state, layer):
+    """Next batch sizes (eq. 7), weights to the clients, the round's record, the checkpoint, the progress."""
+    log, cids = layer.log, run.transport.client_ids
+    # Durations of this round drive the next round's batch sizes (eq. 7); a client that dropped out keeps its
+    # batch size.
+    durations = {cid: log.compute[cid] + log.up[cid] for cid in cids if cid in log.compute}
+    state.first_durations = state.first_durations or durations
+    if run.variant.adaptive:
+        state.batch.update(adaptive_batch_sizes(durations, state.first_durations, run.first_batch, run.max_batch))
+    _send_weights(run, state, layer.position, layer.weights, log)
+    record = log.record(run.timed_accuracy(log, run.evaluated(layer.position + 1)))
+    if layer.contributors:
+        # Anyone can check the differencing rule from the run's record (docs/design.md, "Secure sums").
+        record["contributors"] = {str(k): parts for k, parts in sorted(layer.contributors.items())}
+    state.rounds.append(record)
+    state.layers_done = layer.position + 1
+    if run.checkpoint is not None:
+        run.checkpoint.save(state)
+    run.report(state, f"layer {layer.position + 1}/{run.n_layers} trained")
+
+
+# -- local personalization ------------------------------------------------------------------------------
+def personalize(run: ProtocolRun, state: ServerState) -> None:
+    """Every client personalizes every layer around its group's weights (eq. 13), one round per layer.
+
+    A client whose local step raises keeps its group's layer (recorded in
+    the round's ``dropped``) instead of ending the run. Secure runs: the
+    server learns each client's busy time only, not what it chose.
+    """
+    for position in range(run.n_layers):
+        log = RoundLog("personalization", position, run.clock)
+        args = {cid: PersonalizeRequest(position, run.options.eps, run.max_batch[cid],
+                                        private=run.secure is not None).kwargs() for cid in run.transport.client_ids}
+        # A sum of nothing: the transport's per-client receipts and dropouts.
+        outcome = run.transport.sum(ClientMethod.PERSONALIZE, args, keys=())
+        log.dropped.update({cid: str(why) for cid, why in outcome.dropped.items()})
+        for cid, result in outcome.receipts.items():
+            reply = PersonalizeReply.from_result(result)
+            log.arrived(cid, reply.compute_s, 0, parts=reply.parts)
+            log.up[cid] = 0.0
+            if reply.choice():
+                log.chosen[cid] = reply.choice()
+        state.rounds.append(log.record(run.timed_accuracy(log, run.evaluated(run.n_layers + position + 1))))
+        run.report(state, f"layer {position + 1}/{run.n_layers} personalized")
+
+
+# -- the whole protocol ---------------------------------------------------------------------------------
+def run_protocol(transport: Transport, n_layers: int, variant: Variant, options: ServerOptions | None = None, *,
+                 target_bases: Sequence | None = None, secure: SecureServer | None = None, clock: Clock = Clock(),
+                 progress: Callable[[str], None] | None = None, checkpoint: Checkpointing | None = None,
+                 resume: ServerState | None = None) -> dict:
+    """Run one algorithm over ``transport``'s clients; returns the results record.
+
+    Parameters
+    ----------
+    transport : Transport
+    n_layers : int
+        Trainable layers of the model (rounds of the federated stage).
+    variant : Variant
+    options : ServerOptions, default=ServerOptions()
+    target_bases : list of (ndarray or None), optional
+        Per layer, the label encoder Q_l the clients' targets were made with
+        (Z_l = Y Q_l; None for the output layer). The server then solves on
+        the n_classes columns of C Q_l^+ instead of the d_l columns of C
+        (:func:`fastls.ridge_solve`'s ``rhs_basis``): the same weights.
+    secure : fedlayer.secure.SecureServer or None
+        Sum the statistics by the secure protocol (pairwise masks, fixed
+        point; groups below ``secure.min_group_size`` merge first). A client
+        whose statistics raise drops out of that round either way: the layer
+        is solved on the others' sums and the round records it.
+    clock : Clock
+    progress : callable(str) or None
+        Called with a short status after every round.
+    checkpoint : fedlayer.checkpoint.Checkpointing or None
+        Where the server's state is written (atomically) after every trained layer.
+    resume : ServerState or None
+        A checkpoint's state (:meth:`ServerState.from_checkpoint`): finished
+        layers are sent to the clients again instead of being trained.
+
+    Returns
+    -------
+    dict with "groups" (cid -> group), "rounds" (list of round records),
+    "group_weights" (group -> list of (n_in, n_out) arrays), "accuracy", and
+    "secure" (the key setup's record) in secure runs.
+    """
+    options = ServerOptions() if options is None else options
+    first_batch, max_batch = options.batch.sizes(transport.client_ids)
+    run = ProtocolRun(transport, n_layers, variant, options, first_batch, max_batch, target_bases,
+                      None if secure is None else SecureSums(secure), clock, progress, checkpoint)
+    state = initialize(run, resume)
+    for position in range(state.layers_done, n_layers):
+        train_layer(run, state, position)
+    if variant.personalize:
+        personalize(run, state)
+    if state.rounds[-1]["accuracy"] is None:
+        # Resumed after its last round from a checkpoint of a run that did not evaluate that round (a
+        # personalized run with eval_every): the result needs it.
+        start = time.perf_counter()
+        state.rounds[-1]["accuracy"] = overall_accuracy(transport)
+        state.rounds[-1]["eval_s"] = time.perf_counter() - start
+    return {
+        "groups": {str(cid): k for cid, k in state.group_of.items()},
+        **({"secure": run.secure.record} if run.secure is not None else {}),
+        "rounds": state.rounds,
+        "group_weights": state.group_weights,
+        "accuracy": state.rounds[-1]["accuracy"],
+    }
