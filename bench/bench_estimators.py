@@ -13,7 +13,7 @@ from sklearn.linear_model import Ridge
 
 import fastls
 from estimators_report import ALPHA, regression_rows, streamed_fit
-from numeric_checks import assert_close
+from tests.numeric_checks import assert_close
 
 # (rows, features, targets): the MNIST DNN's input layer width (784 pixels + bias) with 10 classes;
 # 200,000 rows keep three timed rounds of each side within a minute or two.

@@ -23,7 +23,7 @@ import fastls
 from fedlayer.client import Client
 from fedlayer.data import ClientData
 from fedlayer.models import build_model
-from numeric_checks import assert_close
+from tests.numeric_checks import assert_close
 
 N_FEATURES, N_CLASSES = 784, 10   # MNIST
 FULL_SAMPLES, SMALL_SAMPLES = 52500, 512

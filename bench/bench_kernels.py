@@ -36,7 +36,7 @@ from cases import (
     spd_system,
     zero_stats,
 )
-from numeric_checks import assert_close
+from tests.numeric_checks import assert_close
 
 
 # Arguments whose cases come from a table of cases.py: full size with

@@ -12,7 +12,7 @@ import pytest
 
 import fastls
 from cases import THREAD_GRID, THREAD_KINDS, thread_case
-from numeric_checks import assert_close
+from tests.numeric_checks import assert_close
 
 # (BLAS threads allowed, size rule on): 1 thread, 2 threads as OpenBLAS picks, 2 allowed with the rule.
 SETTINGS = {"one": (1, False), "two": (2, False), "chosen": (2, True)}

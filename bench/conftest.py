@@ -1,5 +1,1 @@
-import sys
-from pathlib import Path
-
-# Benchmarks import their shared cases as a plain module.
-sys.path.insert(0, str(Path(__file__).parent))
+"""The benchmarks import their shared cases (bench/cases.py) as a plain module: pytest puts bench/ on the path."""

@@ -23,7 +23,7 @@ from pathlib import Path
 from fedlayer.mpi._rankwatch import processes_with_env
 
 # fedlayer with test hooks: the entry script holds client 3 in its first sum (FEDLAYER_TEST_HANG_CLIENT)
-FAULTS_ENTRY = Path(__file__).resolve().parents[1] / "tests" / "mpi_faults_entry.py"
+FAULTS_ENTRY = Path(__file__).resolve().parents[1] / "tests" / "fedlayer" / "mpi" / "mpi_faults_entry.py"
 
 
 def _watching(pid, handles):

@@ -68,7 +68,7 @@ def accuracy_run(algorithm, args, seed, dataset, rounds):
     """A baseline's accuracy curve over ``rounds`` on the batched engine: {"engine", "rounds", "accuracy", "curve"}.
 
     The batched engine gives the per-client engine's parameters (to rounding:
-    tests/test_baseline_engines.py), so this is the timed run's curve,
+    tests/fedlayer/baselines/test_baseline_engines.py), so this is the timed run's curve,
     continued to the paper's budget. Its checkpoint stays until the seed's
     results are written (a finished one resumes to the same results at once).
     """

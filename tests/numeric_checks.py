@@ -1,8 +1,9 @@
 """The one dtype-aware closeness helper of the tests, benchmarks and experiments.
 
-A plain module, not a conftest: conftest names clash across test roots. The
-root ``conftest.py`` puts ``tests/`` on ``sys.path``, so ``bench/`` and
-``experiments/`` import it as ``from numeric_checks import assert_close``.
+A plain module, not a conftest: conftest names clash across test roots.
+``tests`` is a package and pytest puts the checkout's root (the root
+``conftest.py``'s folder) on the path, so ``bench/`` and ``experiments/``
+import it as ``from tests.numeric_checks import assert_close``.
 """
 
 import numpy as np

@@ -29,8 +29,8 @@ from fedlayer.options import BatchPolicy, ClientOptions, ServerOptions
 from fedlayer.checkpoint import Checkpointing
 from fedlayer.server import ServerState
 from fedlayer.secure_client import SecureClient
-from numeric_checks import assert_close
-from test_federated import N_CLASSES, client_data, dnn_config, make_data
+from tests.numeric_checks import assert_close
+from tests.fedlayer.cases import N_CLASSES, client_data, dnn_config, make_data
 
 
 # ---------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from fedlayer.baselines import (
 from fedlayer.data import ClientData
 from fedlayer.timing import Clock, time_summary
 from fedlayer.transport import InProcessTransport
-from numeric_checks import assert_close
+from tests.numeric_checks import assert_close
 
 N_FEATURES, N_CLASSES = 10, 3
 

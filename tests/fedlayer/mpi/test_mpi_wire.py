@@ -1,6 +1,6 @@
 """The MPI package without mpiexec: operations and buffers on the wire, the hooks' defaults, no test variables.
 
-These run in one process (no MPI initialized); tests/test_mpi.py runs jobs under mpiexec.
+These run in one process (no MPI initialized); tests/fedlayer/mpi/test_mpi.py runs jobs under mpiexec.
 """
 
 import pickle
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mpi_faults_entry import InjectedFaults
+from tests.fedlayer.mpi.mpi_faults_entry import InjectedFaults
 
 import fastls
 import fedlayer
@@ -24,7 +24,7 @@ def _sources(package):
 
 
 def test_production_code_reads_no_test_variable():
-    # Faults reach fedlayer as hooks objects (tests/mpi_faults_entry.py), never through its own environment reads.
+    # Faults reach fedlayer as hooks objects (tests/fedlayer/mpi/mpi_faults_entry.py), never through its own environment reads.
     sources = _sources(fedlayer) + _sources(fastls)
     assert any(p.name == "worker.py" for p in sources) and any(p.suffix == ".pyx" for p in sources)
     offenders = [str(p) for p in sources if "FEDLAYER_TEST_" in p.read_text()]

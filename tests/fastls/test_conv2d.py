@@ -6,7 +6,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import fastls
-from numeric_checks import assert_close
+from tests.numeric_checks import assert_close
 
 DTYPES = [np.float32, np.float64]
 

@@ -9,7 +9,7 @@ import scipy.linalg
 
 import fastls
 from fastls import _kernels
-from numeric_checks import assert_close
+from tests.numeric_checks import assert_close
 
 SHIFTS = [1e-3, 0.3, 7.0, 250.0]
 

@@ -9,8 +9,8 @@ from fedlayer.server import Variant, run_protocol
 from fedlayer.models import build_model
 from fedlayer.transport import InProcessTransport
 from fedlayer.options import BatchPolicy, ClientOptions, ServerOptions
-from numeric_checks import assert_close
-from test_federated import N_CLASSES, client_data
+from tests.numeric_checks import assert_close
+from tests.fedlayer.cases import N_CLASSES, client_data
 
 SHAPE = (32, 32, 2)
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastls
-from numeric_checks import assert_close
+from tests.numeric_checks import assert_close
 from fedlayer.models import (
     ACTIVATIONS,
     AvgPool2d,

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import fastls
 from fastls._overlap import _overlap_plan
-from numeric_checks import assert_close
+from tests.numeric_checks import assert_close
 
 
 def reference(images, targets, kernel_size, padding, append_ones):

@@ -183,7 +183,7 @@ def test_an_adaptive_run_checkpoints_eq7s_reference_and_next_batch_sizes(tmp_pat
     """A resumed FedACnnL needs round 1's arrivals (eq. 7's reference) and the batch sizes of the next round."""
     from fedlayer.server import VARIANTS, adaptive_batch_sizes
     from fedlayer.timing import Clock
-    from test_federated import client_data, dnn_config, make_data, run_clients
+    from tests.fedlayer.cases import client_data, dnn_config, make_data, run_clients
 
     x, y = make_data(rng, n=160)
     parts = np.array_split(np.arange(160), 4)

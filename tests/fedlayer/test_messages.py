@@ -11,7 +11,7 @@ from fedlayer.messages import (ClientMethod, ClientProtocol, Dropout, EvaluateRe
                                PersonalizeRequest, StatsReceipt, StatsRequest)
 from fedlayer.secure_client import SecureClient
 from fedlayer.transport import InProcessTransport
-from test_federated import N_CLASSES, client_data, dnn_config, make_data
+from tests.fedlayer.cases import N_CLASSES, client_data, dnn_config, make_data
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 from fedlayer.cli import main
 from fedlayer.models import Model
 from fedlayer.run import RunConfig, client_cores, run
-from numeric_checks import assert_close
+from tests.numeric_checks import assert_close
 
 SMALL = ["--clients", "12", "--groups", "3", "--synthetic-alpha", "0.5", "--synthetic-beta", "0.5"]
 

@@ -8,8 +8,8 @@ from fedlayer.server import Variant, run_protocol, targets_cross
 from fedlayer.models import build_model
 from fedlayer.transport import InProcessTransport
 from fedlayer.options import BatchPolicy, ClientOptions, ServerOptions
-from numeric_checks import assert_close
-from test_federated import N_CLASSES, client_data
+from tests.numeric_checks import assert_close
+from tests.fedlayer.cases import N_CLASSES, client_data
 
 
 def _dnn(rng, n):

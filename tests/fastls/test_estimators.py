@@ -17,11 +17,11 @@ from sklearn.utils._param_validation import InvalidParameterError
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 import fastls
-from numeric_checks import assert_close
+from tests.numeric_checks import assert_close
 
 # The bound on the relative difference to scikit-learn, float64.
 RTOL = 1e-10
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # No check is skipped or expected to fail. scikit-learn's checks skip themselves (SkipTest) where the

@@ -14,10 +14,10 @@ from fedlayer.server import (FixedGamma, GroupGCV, PooledGCV, ProtocolRun, Serve
 from fedlayer.server.solvers import gcv_choice
 from fedlayer.timing import Clock
 from fedlayer.transport import InProcessTransport
-from numeric_checks import assert_close
-from test_federated import N_CLASSES, client_data, dnn_config, make_data
+from tests.numeric_checks import assert_close
+from tests.fedlayer.cases import N_CLASSES, client_data, dnn_config, make_data
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 #: What tests/data/make_format2_checkpoint.py ran: two K-means groups, fixed batch sizes, GCV pooled over the groups.
 BEFORE = Variant(adaptive=False, cluster=True)
 BEFORE_OPTIONS = ServerOptions(groups=2, batch=BatchPolicy(7), gamma="auto")

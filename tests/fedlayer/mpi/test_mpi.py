@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from numeric_checks import assert_close
+from tests.numeric_checks import assert_close
 
 MPIEXEC = shutil.which("mpiexec") or shutil.which("mpiexec", path=str(Path(sys.executable).parent))
 
@@ -244,7 +244,7 @@ def test_client_error_outside_a_sum_ends_the_job_naming_it():
 def test_a_rank_that_cannot_build_its_clients_is_bad_input_in_one_line(tmp_path):
     run = [sys.executable, "-m", "fedlayer", "run", "--dataset", "mnist", "--clients", "6", "--groups", "3", "--quiet"]
     # rank 0 finds a (tiny, fake) MNIST, rank 1 does not: the job ends as bad input, as it would on rank 0
-    from test_data import write_fake_mnist
+    from tests.fedlayer.test_data import write_fake_mnist
 
     write_fake_mnist(tmp_path / "mnist", n_train=400, n_test=100)
     cmd = [MPIEXEC, "-n", "1", "-env", "FEDLAYER_DATA_DIR", str(tmp_path), *run,

@@ -12,8 +12,8 @@ from fedlayer.client import Client, ClientDropout
 from fedlayer.server import VARIANTS, AllClientsDropped, run_protocol, survivors_solution
 from fedlayer.transport import InProcessTransport, Sum, fold
 from fedlayer.options import BatchPolicy, ClientOptions, ServerOptions
-from numeric_checks import assert_close
-from test_federated import N_CLASSES, client_data, dnn_config, make_data
+from tests.numeric_checks import assert_close
+from tests.fedlayer.cases import N_CLASSES, client_data, dnn_config, make_data
 
 KEYS = ("G", "C", "zz", "rows")
 
