@@ -3,13 +3,32 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 __all__ = ["plot_results"]
 
 
-def plot_results(results_path, out_dir=None):
-    """Write ``accuracy.png``, ``time_breakdown.png`` (and ``gcv.png`` for ``--gamma auto``); returns their paths."""
+def plot_results(results_path: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Write ``accuracy.png``, ``time_breakdown.png`` (and ``gcv.png`` for ``--gamma auto``); returns their paths.
+
+    Parameters
+    ----------
+    results_path : str or os.PathLike
+        A results.json as ``fedlayer run --output DIR`` writes it.
+    out_dir : str or os.PathLike, optional
+        Where the PNGs go (created if missing); default: beside the results.
+
+    Returns
+    -------
+    list of Path
+
+    Raises
+    ------
+    ValueError
+        The results cannot be read or are not a fedlayer results.json (checked
+        before any file is written), or ``out_dir`` is a file.
+    """
     import matplotlib
 
     matplotlib.use("Agg")

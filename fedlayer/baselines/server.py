@@ -5,13 +5,16 @@ from __future__ import annotations
 import numbers
 import os
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..checkpoint import check_fingerprint, read_state, write_state
 from ..timing import Clock, RoundLog, payload_bytes
-from ..transport import overall_accuracy
+from ..transport import Transport, overall_accuracy
 from .hyper import BASELINES
 
 __all__ = ["DIVERGED_SIZE", "PERSONALIZED", "BaselineCheckpoints", "Diverged", "load_baseline_checkpoint",
@@ -22,7 +25,9 @@ _FORMAT = "fedlayer-baseline-checkpoint-1"
 _ADDED_KEYS = ("eval_every",)
 
 
-def save_baseline_checkpoint(path, *, fingerprint, params, rounds, best_accuracy):
+def save_baseline_checkpoint(path: str | os.PathLike, *, fingerprint: Mapping[str, Any] | None,
+                             params: npt.ArrayLike, rounds: list[dict[str, Any]],
+                             best_accuracy: float | None) -> None:
     """Write a baseline's state after ``len(rounds)`` rounds to ``path`` atomically.
 
     The state is all a baseline carries from round to round: the global
@@ -32,13 +37,17 @@ def save_baseline_checkpoint(path, *, fingerprint, params, rounds, best_accuracy
     """
     write_state(path, {"format": _FORMAT, "fingerprint": fingerprint, "rounds": rounds,
                        "best_accuracy": best_accuracy}, {"params": np.asarray(params, dtype=np.float64)},
-                compress=True)  # a thousand rounds of per-client records deflate about threefold
+                compress=True)  # the per-client records of many rounds deflate well (docs/results/fedlayer_notes.md)
 
 
-def load_baseline_checkpoint(path, fingerprint):
+def load_baseline_checkpoint(path: str | os.PathLike, fingerprint: Mapping[str, Any] | None) -> dict[str, Any]:
     """The state :func:`save_baseline_checkpoint` wrote, refused if damaged or of another configuration.
 
-    Returns dict with "params", "rounds" (the records so far) and "best_accuracy".
+    Returns
+    -------
+    dict
+        ``"params"`` (n_params,) float64, ``"rounds"`` (the records so far)
+        and ``"best_accuracy"``.
     """
     state, arrays = read_state(path, _FORMAT)
     # Keys added to the fingerprint after checkpoints of this format were written match any value.
@@ -78,13 +87,15 @@ class BaselineCheckpoints:
     every: int = 10
     fingerprint: dict | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, numbers.Integral) or self.every < 1:
             raise ValueError(f"checkpoints are written every n >= 1 rounds, got every={self.every!r}")
 
 
-def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, progress=None,
-                 init_params=None, checkpoints=None, resume=None, **hyper):
+def run_baseline(transport: Transport, algorithm: str, rounds: int, *, clock: Clock = Clock(), eval_every: int = 1,
+                 progress: Callable[[str], object] | None = None, init_params: npt.ArrayLike | None = None,
+                 checkpoints: BaselineCheckpoints | None = None, resume: Mapping[str, Any] | None = None,
+                 **hyper: Any) -> dict[str, Any]:
     """Run a baseline for ``rounds`` rounds over ``transport``'s clients (all participate every round).
 
     Parameters
@@ -116,6 +127,17 @@ def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, p
     (of the last round), "best_accuracy" (best evaluated round) and "params"
     (final global parameters).
 
+    Raises
+    ------
+    ValueError
+        Unknown algorithm, ``rounds`` or ``eval_every`` < 1, or a ``resume``
+        state holding more rounds than ``rounds``.
+    Diverged
+        The global parameters became non-finite or larger than
+        :data:`DIVERGED_SIZE` (the checkpoint on disk keeps its last state).
+
+    Notes
+    -----
     Accuracy is the overall test accuracy: correct / total summed over all
     clients' local test splits, of the global model (FedAvg, FedZO, BAFFLE)
     or of each client's personalized model theta (pFedMe, pFedZO).
