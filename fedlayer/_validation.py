@@ -266,6 +266,8 @@ def validate_params(constraints: Mapping[str, Constraints]) -> Callable[[_Functi
 def parse_text(text: str, constraints: Constraints) -> Any:
     """The value that command-line ``text`` denotes under ``constraints`` (for argparse types).
 
+    A :class:`ListOf` constraint reads comma-separated items.
+
     Integers are tried before floats, so ``"3"`` gives ``3`` for an ``int``
     interval and ``3.0``-compatible ``3`` for a ``float`` one; ``"nan"`` and
     ``"inf"`` parse as floats and are then refused by a finite interval.

@@ -712,7 +712,20 @@ class TrainableLayer(Layer):
         return 1
 
     def gram_flops(self, input_shape: Sequence[int], n_samples: int) -> float:
-        """Flops (N d^2 convention) of A^T A over ``n_samples`` samples of shape ``input_shape`` by the kernels used."""
+        """Flops of A^T A over ``n_samples`` samples by the kernels the layer uses.
+
+        Parameters
+        ----------
+        input_shape : sequence of int
+            Per-sample input shape.
+        n_samples : int
+
+        Returns
+        -------
+        float
+            N d^2 for the N rows of A and its d columns (Dense, and the base
+            rule); twice the multiply-adds of the method fastls picks (Conv2d).
+        """
         d = self.ls_shape(input_shape)[0]
         return float(n_samples) * self.rows_per_sample(input_shape) * d * d
 

@@ -101,7 +101,15 @@ class RoundLog:
     def arrived(self, cid: int, compute_s: float, up_bytes: int, parts: Mapping[str, float] | None = None) -> None:
         """Client ``cid`` finished after ``compute_s`` and uploaded ``up_bytes``.
 
-        ``parts`` (optional) splits ``compute_s``, e.g. forward / statistics / solve seconds.
+        Parameters
+        ----------
+        cid : int
+        compute_s : float
+            The client's compute seconds in this round.
+        up_bytes : int
+            Bytes of its upload, timed by the :class:`Clock`.
+        parts : dict of str to float, optional
+            Splits ``compute_s``, e.g. forward / statistics / solve seconds.
         """
         if parts:
             self.parts[cid] = dict(parts)

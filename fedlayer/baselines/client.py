@@ -100,18 +100,22 @@ class BaselineClient:
 
     # -- helpers --------------------------------------------------------------
     def rng(self, round_index: int, algorithm: str) -> np.random.Generator:
-        """This client's generator of minibatches for one round of ``algorithm`` (both engines draw alike)."""
+        """This client's minibatch generator for round ``round_index`` of ``algorithm`` (both engines draw alike).
+
+        Seeded by (run seed, client id, round, algorithm): the same draws in
+        process and under MPI, and on resuming from a checkpoint.
+        """
         return np.random.default_rng([self.seed, self.client_id, int(round_index), _RNG_TAGS[algorithm]])
 
     def directions(self, round_index: int, algorithm: str) -> DirectionStream:
-        """This client's stream of random directions for one round of ``algorithm``."""
+        """This client's random directions for round ``round_index`` of ``algorithm``, seeded as :meth:`rng`."""
         return DirectionStream([self.seed, self.client_id, int(round_index), _RNG_TAGS[algorithm], _DIRECTIONS])
 
     def _batch(self, idx):
         return self.data.x_train[idx], self.data.y_train[idx]
 
     def sample(self, rng: np.random.Generator, size: int) -> npt.NDArray[np.int64]:
-        """Row indices of one minibatch of ``min(size, n_train)`` rows, drawn without replacement."""
+        """Row indices (int64) of a minibatch of ``min(size, n_train)`` rows, drawn from ``rng`` without replacement."""
         n = self.data.n_train
         return rng.choice(n, size=min(int(size), n), replace=False)
 

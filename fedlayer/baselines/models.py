@@ -69,7 +69,7 @@ class BaselineModel:
         return [params[..., a:b].reshape(lead + s) for a, b, s in zip(self.offsets[:-1], self.offsets[1:], self.shapes)]
 
     def init_params(self, seed: int) -> npt.NDArray[np.float64]:
-        """PyTorch-default-like init: W and b ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), seeded."""
+        """PyTorch-default-like init: W and b ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), seeded; (n_params,) float64."""
         rng = np.random.default_rng([int(seed), 0xBA5E])
         params = np.empty(self.n_params)
         views = self.unpack(params)
@@ -116,12 +116,12 @@ class BaselineModel:
         return self._forward(params, x)[-1]
 
     def loss(self, params: npt.NDArray[np.float64], x: npt.ArrayLike, y: npt.ArrayLike) -> float:
-        """Mean cross-entropy of the softmax outputs on (x, y)."""
+        """Mean cross-entropy of the softmax outputs at ``params`` (n_params,) on samples x (B, ...), labels y (B,)."""
         return float(self._mean_nll(self._log_softmax(self.logits(params, x)), np.asarray(y)))
 
     def loss_and_grad(self, params: npt.NDArray[np.float64], x: npt.ArrayLike,
                       y: npt.ArrayLike) -> tuple[float, npt.NDArray[np.float64]]:
-        """(loss, flat gradient) by exact backpropagation."""
+        """(loss, flat gradient (n_params,) float64) of :meth:`loss`, by exact backpropagation."""
         y = np.asarray(y)
         acts = self._forward(params, x)
         logp = self._log_softmax(acts[-1])
@@ -158,7 +158,7 @@ class BaselineModel:
         return grad
 
     def grad(self, params: npt.NDArray[np.float64], x: npt.ArrayLike, y: npt.ArrayLike) -> npt.NDArray[np.float64]:
-        """Flat gradient of :meth:`loss` (exact backpropagation)."""
+        """Flat gradient (n_params,) float64 of :meth:`loss` (exact backpropagation)."""
         return self.loss_and_grad(params, x, y)[1]
 
     # -- stacked clients (the batched engine) --------------------------------
@@ -230,7 +230,8 @@ def make_baseline_model(name: str, n_features: int | Sequence[int], n_classes: i
                         seed: int | None = None) -> BaselineModel | tuple[BaselineModel, npt.NDArray[np.float64]]:
     """``"lr"`` or ``"dnn"`` model; with ``seed``, returns ``(model, initial params)``.
 
-    ``n_features`` may be an int or a feature shape (it is flattened).
+    ``n_features`` may be an int or a feature shape (it is flattened). The
+    initial parameters are :meth:`BaselineModel.init_params` of ``seed``.
 
     Raises
     ------

@@ -34,6 +34,17 @@ def save_baseline_checkpoint(path: str | os.PathLike, *, fingerprint: Mapping[st
     parameters (bit for bit) and the records so far. Every random draw is
     seeded by (seed, client, round), so a resumed run repeats the rounds an
     uninterrupted one would have run.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    fingerprint : dict or None
+        The settings that determine the parameters; a resume must match them.
+    params : array_like of shape (n_params,)
+        The global parameters, stored as float64.
+    rounds : list of dict
+        The round records so far (:func:`run_baseline`'s).
+    best_accuracy : float or None
     """
     write_state(path, {"format": _FORMAT, "fingerprint": fingerprint, "rounds": rounds,
                        "best_accuracy": best_accuracy}, {"params": np.asarray(params, dtype=np.float64)},
@@ -42,6 +53,9 @@ def save_baseline_checkpoint(path: str | os.PathLike, *, fingerprint: Mapping[st
 
 def load_baseline_checkpoint(path: str | os.PathLike, fingerprint: Mapping[str, Any] | None) -> dict[str, Any]:
     """The state :func:`save_baseline_checkpoint` wrote, refused if damaged or of another configuration.
+
+    ``fingerprint`` is the resuming run's; keys added to the fingerprint after
+    the file was written match any value.
 
     Returns
     -------
