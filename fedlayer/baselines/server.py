@@ -115,46 +115,36 @@ def run_baseline(transport: Transport, algorithm: str, rounds: int, *, clock: Cl
     Parameters
     ----------
     transport : Transport of :class:`BaselineClient`
-    algorithm : one of "fedavg", "fedzo", "baffle", "pfedme", "pfedzo"
+    algorithm : {"fedavg", "fedzo", "baffle", "pfedme", "pfedzo"}
     rounds : int
     clock : Clock
         Communication time of the parameter vector, down and up, per client and round.
     eval_every : int
-        Overall test accuracy after every ``eval_every``-th round and the last
-        one (``accuracy`` is None in the other records).
+        Overall test accuracy after every ``eval_every``-th round and the last (``accuracy`` None in the others).
     progress : callable(str) or None
     init_params : flat ndarray or None
         Initial global parameters; None asks the first client for the seeded ones.
     checkpoints : BaselineCheckpoints or None
         Where and how often the state is written; None writes none.
     resume : dict or None
-        A state from :func:`load_baseline_checkpoint`: training goes on after
-        its last round (nothing is trained when it already holds ``rounds``).
+        A :func:`load_baseline_checkpoint` state: training goes on after its last round (none if it holds ``rounds``).
     **hyper
-        Local hyperparameters (see :data:`BASELINES`); ``beta`` is the
-        server's pFedMe/pFedZO mixing weight (default 1).
+        Local hyperparameters (:data:`BASELINES`); ``beta``: the server's pFedMe/pFedZO mixing weight (default 1).
 
     Returns
     -------
-    dict with "rounds" (:class:`fedlayer.timing.RoundLog` records, each with its
-    "wall_s": the round's wall time, evaluation included), "accuracy"
-    (of the last round), "best_accuracy" (best evaluated round) and "params"
-    (final global parameters).
+    dict
+        "rounds" (:class:`fedlayer.timing.RoundLog` records, each with "wall_s", the round's wall time, evaluation
+        included), "accuracy" (of the last round), "best_accuracy" (best evaluated round), "params" (final global
+        parameters). Accuracy is correct / total over all clients' local test splits, of the global model (FedAvg,
+        FedZO, BAFFLE) or of each client's personalized model theta (pFedMe, pFedZO).
 
     Raises
     ------
     ValueError
-        Unknown algorithm, ``rounds`` or ``eval_every`` < 1, or a ``resume``
-        state holding more rounds than ``rounds``.
+        Unknown algorithm, ``rounds`` or ``eval_every`` < 1, or a ``resume`` holding more rounds than ``rounds``.
     Diverged
-        The global parameters became non-finite or larger than
-        :data:`DIVERGED_SIZE` (the checkpoint on disk keeps its last state).
-
-    Notes
-    -----
-    Accuracy is the overall test accuracy: correct / total summed over all
-    clients' local test splits, of the global model (FedAvg, FedZO, BAFFLE)
-    or of each client's personalized model theta (pFedMe, pFedZO).
+        The global parameters became non-finite or larger than :data:`DIVERGED_SIZE`.
     """
     algorithm = str(algorithm).lower()
     if algorithm not in BASELINES:
@@ -165,13 +155,8 @@ def run_baseline(transport: Transport, algorithm: str, rounds: int, *, clock: Cl
     beta = float(hyper.pop("beta", 1.0))
     personalized = algorithm in PERSONALIZED
     cids = transport.client_ids
-    records, best = [], None
-    if resume is not None:
-        init_params, records, best = _resumed(resume, algorithm, int(rounds), int(eval_every), checkpoints)
-    elif init_params is None:
-        (_, first), = transport.call("initial_params", {cids[0]: {}})
-        init_params = first["params"]
-    w = np.array(init_params, dtype=np.float64)
+    w, records, best = _start(transport, cids, algorithm, int(rounds), int(eval_every), init_params, checkpoints,
+                              resume)
     saved = len(records)  # the round the checkpoint on disk holds (0: none)
 
     for r in range(len(records), int(rounds)):
@@ -199,6 +184,17 @@ def run_baseline(transport: Transport, algorithm: str, rounds: int, *, clock: Cl
             progress(f"{algorithm} round {r + 1}/{rounds}"
                      + (f", accuracy {accuracy:.4f}" if accuracy is not None else ""))
     return {"rounds": records, "accuracy": records[-1]["accuracy"], "best_accuracy": best, "params": w}
+
+
+def _start(transport, cids, algorithm, rounds, eval_every, init_params, checkpoints, resume):
+    """(global parameters, records, best accuracy) before the first round to run: a checkpoint's, or fresh ones."""
+    records, best = [], None
+    if resume is not None:
+        init_params, records, best = _resumed(resume, algorithm, rounds, eval_every, checkpoints)
+    elif init_params is None:
+        (_, first), = transport.call("initial_params", {cids[0]: {}})
+        init_params = first["params"]
+    return np.array(init_params, dtype=np.float64), records, best
 
 
 def _resumed(resume, algorithm, rounds, eval_every, checkpoints):
