@@ -30,9 +30,12 @@ import functools
 import inspect
 import math
 import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 __all__ = [
     "Boolean",
+    "Constraint",
     "InstanceOf",
     "Interval",
     "ListOf",
@@ -42,6 +45,20 @@ __all__ = [
     "parse_text",
     "validate_params",
 ]
+
+
+class Constraint(Protocol):
+    """What a constraint list holds besides None: a test of a value and the words for what it accepts."""
+
+    def is_satisfied_by(self, value: Any) -> bool: ...
+
+    def __str__(self) -> str: ...
+
+
+#: A constraint list: the value passes when any one entry accepts it (``None`` accepts the value None).
+Constraints = Sequence[Constraint | None]
+
+_Function = TypeVar("_Function", bound=Callable[..., Any])
 
 
 class Interval:
@@ -60,14 +77,16 @@ class Interval:
         Reject NaN and infinities (NaN is always rejected).
     """
 
-    def __init__(self, kind, left, right, closed="left", finite=True):
+    def __init__(self, kind: type, left: float | None, right: float | None, closed: str = "left",
+                 finite: bool = True) -> None:
         if kind not in (int, float):
             raise TypeError(f"Interval kind must be int or float, got {kind!r}")
         if closed not in ("left", "right", "both", "neither"):
             raise ValueError(f"closed must be 'left', 'right', 'both' or 'neither', got {closed!r}")
         self.kind, self.left, self.right, self.closed, self.finite = kind, left, right, closed, finite
 
-    def is_satisfied_by(self, value):
+    def is_satisfied_by(self, value: Any) -> bool:
+        """Whether ``value`` is a number of this kind within the bounds."""
         if isinstance(value, bool):
             return False
         if self.kind is int and not isinstance(value, numbers.Integral):
@@ -84,7 +103,7 @@ class Interval:
                 return False
         return True
 
-    def __str__(self):
+    def __str__(self) -> str:
         noun = "an int" if self.kind is int else ("a finite number" if self.finite else "a number")
         left_in = self.closed in ("left", "both")
         right_in = self.closed in ("right", "both")
@@ -100,51 +119,55 @@ class Interval:
 class Options:
     """One of a fixed set of values (compared with ``==``, so ``"mnist"`` but not ``"MNIST"``)."""
 
-    def __init__(self, *values):
+    def __init__(self, *values: Any) -> None:
         self.values = tuple(values)
 
-    def is_satisfied_by(self, value):
+    def is_satisfied_by(self, value: Any) -> bool:
+        """Whether ``value`` is one of the options (of the first option's type)."""
         return isinstance(value, type(self.values[0])) and value in self.values
 
-    def __str__(self):
+    def __str__(self) -> str:
         return "one of " + ", ".join(repr(v) for v in self.values)
 
 
 class Boolean:
     """``True`` or ``False`` only: ``"no"``, ``0`` and ``1`` are not booleans."""
 
-    def is_satisfied_by(self, value):
+    def is_satisfied_by(self, value: Any) -> bool:
+        """Whether ``value`` is True or False."""
         return isinstance(value, bool)
 
-    def __str__(self):
+    def __str__(self) -> str:
         return "true or false"
 
 
 class InstanceOf:
     """An instance of ``kind`` (e.g. ``str`` for a path, ``dict`` for overrides)."""
 
-    def __init__(self, kind, description=None):
+    def __init__(self, kind: type | tuple[type, ...], description: str | None = None) -> None:
         self.kind = kind
         self.description = description or f"a {kind.__name__}"
 
-    def is_satisfied_by(self, value):
+    def is_satisfied_by(self, value: Any) -> bool:
+        """Whether ``value`` is an instance of ``kind`` (a bool only when ``kind`` is bool)."""
         return isinstance(value, self.kind) and not (self.kind is not bool and isinstance(value, bool))
 
-    def __str__(self):
+    def __str__(self) -> str:
         return self.description
 
 
 class ListOf:
     """A list (or tuple) of at least ``min_length`` items, each satisfying ``item``."""
 
-    def __init__(self, item, min_length=1):
+    def __init__(self, item: Constraint, min_length: int = 1) -> None:
         self.item, self.min_length = item, min_length
 
-    def is_satisfied_by(self, value):
+    def is_satisfied_by(self, value: Any) -> bool:
+        """Whether ``value`` is a list or tuple of at least ``min_length`` items that ``item`` accepts."""
         return (isinstance(value, (list, tuple)) and len(value) >= self.min_length
                 and all(self.item.is_satisfied_by(v) for v in value))
 
-    def __str__(self):
+    def __str__(self) -> str:
         return f"a list of {self.min_length} or more values, each {self.item}"
 
 
@@ -157,7 +180,7 @@ def _satisfies(value, constraint):
     return value is None if constraint is None else constraint.is_satisfied_by(value)
 
 
-def check_param(name, value, constraints):
+def check_param(name: str, value: Any, constraints: Constraints) -> Any:
     """Return ``value`` if one of ``constraints`` accepts it, else raise naming ``name``.
 
     Parameters
@@ -184,11 +207,17 @@ def check_param(name, value, constraints):
     raise ValueError(f"{name} must be {_describe(constraints)}, got {value!r}")
 
 
-def check_params(values, constraints, where=""):
-    """Check every ``values[name]`` that has an entry in ``constraints``.
+def check_params(values: Mapping[str, Any], constraints: Mapping[str, Constraints],
+                 where: str = "") -> Mapping[str, Any]:
+    """Check every ``values[name]`` that has an entry in ``constraints``; returns ``values``.
 
     ``where`` (e.g. ``"config run.json: "``) prefixes the message, so an error
     in a file names the file.
+
+    Raises
+    ------
+    ValueError
+        As :func:`check_param`, prefixed by ``where``.
     """
     for name, allowed in constraints.items():
         if name in values:
@@ -199,8 +228,13 @@ def check_params(values, constraints, where=""):
     return values
 
 
-def validate_params(constraints):
+def validate_params(constraints: Mapping[str, Constraints]) -> Callable[[_Function], _Function]:
     """Decorator: check the named arguments of every call against ``constraints``.
+
+    Raises
+    ------
+    TypeError
+        When decorating: ``constraints`` names a parameter the function does not have.
 
     Examples
     --------
@@ -229,8 +263,10 @@ def validate_params(constraints):
     return decorate
 
 
-def parse_text(text, constraints):
+def parse_text(text: str, constraints: Constraints) -> Any:
     """The value that command-line ``text`` denotes under ``constraints`` (for argparse types).
+
+    A :class:`ListOf` constraint reads comma-separated items.
 
     Integers are tried before floats, so ``"3"`` gives ``3`` for an ``int``
     interval and ``3.0``-compatible ``3`` for a ``float`` one; ``"nan"`` and

@@ -131,7 +131,7 @@ def _ignored(config: RunConfig, name, keys, applies_to):
 class AnalyticAlgorithm(Algorithm):
     """FedACnnL, pFedACnnL and their ablations: :func:`fedlayer.server.run_protocol` with a :class:`Variant`."""
 
-    def __init__(self, name: str, variant: Variant, summary: str, centralized: bool = False):
+    def __init__(self, name: str, variant: Variant, summary: str, centralized: bool = False) -> None:
         self.name, self.variant, self.summary, self.centralized = name, variant, summary, centralized
         self.personalized = variant.personalize
 
@@ -260,7 +260,7 @@ def _model_writer(model, weights, config: RunConfig, clients, group):
 class BaselineAlgorithm(Algorithm):
     """A gradient or zeroth-order baseline: :func:`fedlayer.baselines.run_baseline`."""
 
-    def __init__(self, name: str, summary: str):
+    def __init__(self, name: str, summary: str) -> None:
         self.name, self.summary = name, summary
         self.personalized = name in PERSONALIZED
 

@@ -254,7 +254,7 @@ class Client:
     """
 
     def __init__(self, client_id: int, data: ClientData, model_config: dict, seed: int, n_classes: int,
-                 cores: int = 1, options: ClientOptions | None = None):
+                 cores: int = 1, options: ClientOptions | None = None) -> None:
         options = ClientOptions() if options is None else options
         self.options = options
         self.client_id = int(client_id)

@@ -53,10 +53,12 @@ import tempfile
 import weakref
 import zipfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 import fastls
 
@@ -172,25 +174,46 @@ class Activation:
 
     name: str = ""
 
-    def __call__(self, x):
-        """Return f(x) as an array of the shape of x (may be a new array or x)."""
+    def __call__(self, x: npt.ArrayLike) -> npt.ArrayLike:
+        """f(x), element-wise; x is not modified.
+
+        Parameters
+        ----------
+        x : array_like of any shape
+
+        Returns
+        -------
+        ndarray of the shape of x
+            A new array, or x itself when f leaves it unchanged (identity).
+        """
         raise NotImplementedError
 
-    def apply_inplace(self, x):
-        """f(x), allowed to overwrite x (a float array the caller owns)."""
+    def apply_inplace(self, x: npt.NDArray[np.floating]) -> npt.NDArray[np.floating]:
+        """f(x), allowed to overwrite x.
+
+        Parameters
+        ----------
+        x : ndarray of any shape, float32 or float64
+            An array the caller owns and no longer needs.
+
+        Returns
+        -------
+        ndarray of the shape and dtype of x
+            x itself when overwritten, else a new array.
+        """
         return self(x)
 
-    def config(self):
-        """JSON-able spec accepted by :func:`get_activation`."""
+    def config(self) -> str | dict[str, Any]:
+        """JSON-able spec accepted by :func:`get_activation`: the name, or a dict of the name and parameters."""
         return self.name
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return type(self) is type(other) and self.config() == other.config()
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         return hash(json.dumps(self.config(), sort_keys=True))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
 
@@ -199,7 +222,7 @@ class Identity(Activation):
 
     name = "identity"
 
-    def __call__(self, x):
+    def __call__(self, x: npt.ArrayLike) -> npt.ArrayLike:
         return x
 
     apply_inplace = __call__
@@ -210,10 +233,10 @@ class ReLU(Activation):
 
     name = "relu"
 
-    def __call__(self, x):
+    def __call__(self, x: npt.ArrayLike) -> npt.NDArray[np.floating]:
         return np.maximum(_as_float(x), 0)
 
-    def apply_inplace(self, x):
+    def apply_inplace(self, x: npt.NDArray[np.floating]) -> npt.NDArray[np.floating]:
         return np.maximum(x, 0, out=x)
 
 
@@ -227,30 +250,30 @@ class LeakyReLU(Activation):
     """
 
     name = "leaky_relu"
+    negative_slope: float
 
-    def __init__(self, negative_slope=0.01):
+    def __init__(self, negative_slope: float = 0.01) -> None:
         if isinstance(negative_slope, bool) or not isinstance(negative_slope, numbers.Real) \
                 or not math.isfinite(negative_slope):
             raise ValueError(f"negative_slope must be a finite number, got {negative_slope!r}")
         self.negative_slope = float(negative_slope)
 
-    def __call__(self, x):
+    def __call__(self, x: npt.ArrayLike) -> npt.NDArray[np.floating]:
         return self.apply_inplace(np.array(_as_float(x), copy=True))
 
-    def apply_inplace(self, x):
+    def apply_inplace(self, x: npt.NDArray[np.floating]) -> npt.NDArray[np.floating]:
         # Scaling only the negative entries is right for any slope (max(x, s x)
-        # is only right for s <= 1); fastls does it in one vectorized pass,
-        # where NumPy's masked multiply ran 3x slower than the DCNN's first
-        # convolution itself.
+        # is only right for s <= 1); fastls does it in one vectorized pass, far
+        # cheaper than NumPy's masked multiply (docs/results/fedlayer_notes.md).
         if x.flags.writeable and (x.flags.c_contiguous or x.flags.f_contiguous):
             return fastls.scale_negatives(x, self.negative_slope)
         np.multiply(x, x.dtype.type(self.negative_slope), out=x, where=x < 0)
         return x
 
-    def config(self):
+    def config(self) -> dict[str, Any]:
         return {"name": self.name, "negative_slope": self.negative_slope}
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"LeakyReLU(negative_slope={self.negative_slope!r})"
 
 
@@ -258,7 +281,7 @@ class LeakyReLU(Activation):
 ACTIVATIONS = {"identity": Identity, "relu": ReLU, "leaky_relu": LeakyReLU}
 
 
-def get_activation(spec):
+def get_activation(spec: str | Mapping[str, Any] | Activation | None) -> Activation:
     """Activation from a name, a config dict, None or an Activation.
 
     Parameters
@@ -309,29 +332,50 @@ class Layer:
     ``_REQUIRED``.
     """
 
-    type_name = "layer"
-    _PARAMS: tuple = ()
-    _REQUIRED: tuple = ()
+    type_name: str = "layer"
+    _PARAMS: tuple[str, ...] = ()
+    _REQUIRED: tuple[str, ...] = ()
 
-    def output_shape(self, input_shape):
+    def output_shape(self, input_shape: Sequence[int]) -> tuple[int, ...]:
         """Per-sample output shape for a per-sample input shape (no batch dim).
 
-        Raises ValueError when the layer cannot take that input.
+        Parameters
+        ----------
+        input_shape : sequence of int
+            Per-sample input shape, e.g. (d,) or (H, W, C).
+
+        Returns
+        -------
+        tuple of int
+
+        Raises
+        ------
+        ValueError
+            The layer cannot take that input (wrong rank, a window larger than the image).
         """
         raise NotImplementedError
 
-    def forward(self, x):
-        """Apply the layer to a batch ``x`` of shape (B, *input_shape)."""
+    def forward(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
+        """Apply the layer to a batch.
+
+        Parameters
+        ----------
+        x : array_like of shape (B, *input_shape)
+
+        Returns
+        -------
+        ndarray of shape (B, *output_shape(input_shape))
+        """
         raise NotImplementedError
 
     def _params(self):
         return {}
 
-    def config(self):
+    def config(self) -> dict[str, Any]:
         """JSON-able ``{"type": ..., **constructor params}``."""
         return {"type": self.type_name, **self._params()}
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self._params().items())
         return f"{type(self).__name__}({args})"
 
@@ -341,11 +385,11 @@ class Flatten(Layer):
 
     type_name = "flatten"
 
-    def output_shape(self, input_shape):
+    def output_shape(self, input_shape: Sequence[int]) -> tuple[int, ...]:
         input_shape = _as_shape("input_shape", input_shape)
         return (math.prod(input_shape),)
 
-    def forward(self, x):
+    def forward(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
         """
         Parameters
         ----------
@@ -353,7 +397,8 @@ class Flatten(Layer):
 
         Returns
         -------
-        ndarray of shape (B, prod(shape)), a view of x when x is C-contiguous.
+        ndarray of shape (B, prod(shape))
+            A view of x when x is C-contiguous; dtype of x.
         """
         x = np.asarray(x)
         if x.ndim < 2:
@@ -377,15 +422,17 @@ class AvgPool2d(Layer):
 
     type_name = "avgpool2d"
     _PARAMS = ("pool_size", "stride")
+    pool_size: tuple[int, int]
+    stride: tuple[int, int]
 
-    def __init__(self, pool_size=2, stride=None):
+    def __init__(self, pool_size: int | Sequence[int] = 2, stride: int | Sequence[int] | None = None) -> None:
         self.pool_size = _int_pair("pool_size", pool_size, 1)
         self.stride = self.pool_size if stride is None else _int_pair("stride", stride, 1)
 
     def _params(self):
         return {"pool_size": _pair_config(self.pool_size), "stride": _pair_config(self.stride)}
 
-    def output_shape(self, input_shape):
+    def output_shape(self, input_shape: Sequence[int]) -> tuple[int, ...]:
         input_shape = _as_shape("input_shape", input_shape)
         if len(input_shape) != 3:
             raise ValueError(f"AvgPool2d expects images (H, W, C), got per-sample shape {input_shape}")
@@ -395,7 +442,7 @@ class AvgPool2d(Layer):
             raise ValueError(f"a {ph}x{pw} pooling window does not fit a {H}x{W} image")
         return ((H - ph) // sh + 1, (W - pw) // sw + 1, C)
 
-    def forward(self, x):
+    def forward(self, x: npt.ArrayLike) -> npt.NDArray[np.floating]:
         """
         Parameters
         ----------
@@ -428,7 +475,13 @@ class TrainableLayer(Layer):
         Per-sample input shape, known once the layer belongs to a Model.
     """
 
-    def __init__(self, activation="identity", bias=True):
+    activation: Activation
+    bias: bool
+    weights: npt.NDArray[np.floating] | None
+    dtype: np.dtype
+    input_shape: tuple[int, ...] | None
+
+    def __init__(self, activation: str | Mapping[str, Any] | Activation | None = "identity", bias: bool = True) -> None:
         try:
             self.activation = get_activation(activation)
         except ValueError as exc:
@@ -443,17 +496,32 @@ class TrainableLayer(Layer):
     # -- shapes ----------------------------------------------------------
 
     @property
-    def n_outputs(self):
+    def n_outputs(self) -> int:
+        """Columns of the weight matrix: the layer's output features or channels."""
         raise NotImplementedError
 
     def _n_inputs(self, input_shape):
         raise NotImplementedError
 
-    def ls_shape(self, input_shape):
+    def ls_shape(self, input_shape: Sequence[int]) -> tuple[int, int]:
         """(n_inputs, n_outputs) of the least-squares problem of this layer.
 
         ``G`` is (n_inputs, n_inputs) and ``C`` (n_inputs, n_outputs);
         n_inputs counts the bias row.
+
+        Parameters
+        ----------
+        input_shape : sequence of int
+            Per-sample input shape.
+
+        Returns
+        -------
+        (int, int)
+
+        Raises
+        ------
+        ValueError
+            The layer cannot take that input.
         """
         self.output_shape(input_shape)  # validates
         return self._n_inputs(_as_shape("input_shape", input_shape)), self.n_outputs
@@ -472,7 +540,7 @@ class TrainableLayer(Layer):
         if n_rows < 1 + self.bias:
             raise ValueError(f"{self!r} needs at least {1 + self.bias} weight rows, got {n_rows}")
 
-    def set_weights(self, W):
+    def set_weights(self, W: npt.ArrayLike) -> None:
         """Install W (copied, C-contiguous, in :attr:`dtype`; a read-only one is shared).
 
         Parameters
@@ -483,6 +551,13 @@ class TrainableLayer(Layer):
             read-only C-contiguous array of the layer's dtype is installed
             as it is, not copied: nobody can change it, and simulated clients
             in one process then hold one copy of the weights they share.
+
+        Raises
+        ------
+        TypeError
+            W does not hold real numbers.
+        ValueError
+            W's shape is not (n_inputs, n_outputs) of this layer.
         """
         W = np.asarray(W)
         if not (np.issubdtype(W.dtype, np.floating) or np.issubdtype(W.dtype, np.integer)):
@@ -544,31 +619,68 @@ class TrainableLayer(Layer):
         # fastls wants targets in the input dtype; z is B x m, cheap to cast.
         return np.ascontiguousarray(z, dtype=dtype)
 
-    def accumulate(self, G, C, x, z, *, scratch_bytes=DEFAULT_SCRATCH_BYTES):
+    def accumulate(self, G: npt.NDArray[np.floating], C: npt.NDArray[np.floating], x: npt.ArrayLike,
+                   z: npt.ArrayLike, *, scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> None:
         """G += A^T A (upper triangle) and C += A^T z for this layer's LS input A.
 
         See the subclasses for A. G and C must be writable, C- or
         F-contiguous float arrays of shapes :meth:`ls_shape`; float32 x with
         float64 G and C is allowed (accumulated in float64). One batch of
         :meth:`statistics`.
+
+        Parameters
+        ----------
+        G : ndarray of shape (n_inputs, n_inputs), float32 or float64
+        C : ndarray of shape (n_inputs, n_outputs), dtype of G
+        x : array_like of shape (B, *input_shape)
+        z : array_like of shape (B, n_outputs)
+            Targets (Conv2d also takes one per output position).
+        scratch_bytes : int, default=64 MiB
+            Bound on the kernels' working memory.
         """
         with self.statistics(G, C, scratch_bytes=scratch_bytes) as stats:
             stats.update(x, z)
 
-    def statistics(self, G, C, *, scratch_bytes=DEFAULT_SCRATCH_BYTES, samples=None, position_basis=None,
-                   target_width=None):
+    def statistics(self, G: npt.NDArray[np.floating], C: npt.NDArray[np.floating], *,
+                   scratch_bytes: int = DEFAULT_SCRATCH_BYTES, samples: int | None = None,
+                   position_basis: npt.NDArray[np.floating] | None = None,
+                   target_width: int | None = None) -> _LayerStatistics:
         """A running accumulator of G and C over batches: ``update(x, z)``, then ``finish()``.
 
         Use it as a context manager; G and C are complete when it closes.
-        Batches are checked as in :meth:`accumulate`. ``samples``, the total
-        the batches will hold when known, lets the kernels pick their method
-        for the whole pass. ``position_basis`` (Conv2d only, shape (out_h,
-        out_w, k, m)): ``z`` holds (B, k) coordinates, the target at output
-        position (y, x) is ``z @ position_basis[y, x]`` and C has its m
-        columns (:class:`fastls.ConvStats`). ``target_width``: z (B, w) and
-        C (n_inputs, w) have w columns instead of the layer's outputs, e.g.
-        the coordinates Y of targets Y Q, for X^T Y instead of X^T Y Q (a
-        convolution repeats a sample's row of z at each output position).
+        Batches are checked as in :meth:`accumulate`.
+
+        Parameters
+        ----------
+        G, C : ndarray
+            As in :meth:`accumulate` (C has ``target_width`` or the basis' m
+            columns when one of them is given).
+        scratch_bytes : int, default=64 MiB
+            Bound on the kernels' working memory.
+        samples : int, optional
+            The total the batches will hold when known: lets the kernels pick
+            their method for the whole pass.
+        position_basis : ndarray of shape (out_h, out_w, k, m), optional
+            Conv2d only: ``z`` holds (B, k) coordinates, the target at output
+            position (y, x) is ``z @ position_basis[y, x]`` and C has its m
+            columns (:class:`fastls.ConvStats`).
+        target_width : int, optional
+            z (B, w) and C (n_inputs, w) have w columns instead of the layer's
+            outputs, e.g. the coordinates Y of targets Y Q, for X^T Y instead
+            of X^T Y Q (a convolution repeats a sample's row of z at each
+            output position).
+
+        Returns
+        -------
+        accumulator
+            With ``update(x, z)`` (returns itself) and ``finish()`` (returns
+            ``(G, C)``); a context manager that finishes on a clean exit.
+
+        Raises
+        ------
+        ValueError
+            ``position_basis`` on a layer that is not a Conv2d, both
+            ``position_basis`` and ``target_width``, or a ``target_width`` < 1.
         """
         if position_basis is not None and not isinstance(self, Conv2d):
             raise ValueError(f"{self!r} has no output positions: position_basis applies to Conv2d layers only")
@@ -582,7 +694,7 @@ class TrainableLayer(Layer):
         """What adds checked batches like the first one, (x, z): an object with update(x, z) and finish()."""
         raise NotImplementedError
 
-    def ls_rows(self, x):
+    def ls_rows(self, x: npt.ArrayLike) -> npt.NDArray[np.floating]:
         """The least-squares input A of a batch: one row per sample (Dense) or patch (Conv2d), bias last.
 
         Parameters
@@ -595,23 +707,42 @@ class TrainableLayer(Layer):
         """
         raise NotImplementedError
 
-    def rows_per_sample(self, input_shape):
-        """Rows of A each sample contributes (1, or out_h * out_w patches)."""
+    def rows_per_sample(self, input_shape: Sequence[int]) -> int:
+        """Rows of A each sample of per-sample shape ``input_shape`` contributes (1, or out_h * out_w patches)."""
         return 1
 
-    def gram_flops(self, input_shape, n_samples):
-        """Flops (N d^2 convention) of A^T A over ``n_samples`` samples by the kernels used."""
+    def gram_flops(self, input_shape: Sequence[int], n_samples: int) -> float:
+        """Flops of A^T A over ``n_samples`` samples by the kernels the layer uses.
+
+        Parameters
+        ----------
+        input_shape : sequence of int
+            Per-sample input shape.
+        n_samples : int
+
+        Returns
+        -------
+        float
+            N d^2 for the N rows of A and its d columns (Dense, and the base
+            rule); twice the multiply-adds of the method fastls picks (Conv2d).
+        """
         d = self.ls_shape(input_shape)[0]
         return float(n_samples) * self.rows_per_sample(input_shape) * d * d
 
     # -- evaluation ------------------------------------------------------
 
-    def pre_activation(self, x):
-        """The linear part of the layer (activation not applied)."""
+    def pre_activation(self, x: npt.ArrayLike) -> npt.NDArray[np.floating]:
+        """The linear part of the layer (activation not applied) on a batch x of shape (B, *input_shape).
+
+        Raises
+        ------
+        RuntimeError
+            The layer has no weights yet.
+        """
         raise NotImplementedError
 
-    def forward(self, x):
-        """activation(pre_activation(x))."""
+    def forward(self, x: npt.ArrayLike) -> npt.NDArray[np.floating]:
+        """activation(pre_activation(x)) on a batch x of shape (B, *input_shape), in the weight dtype."""
         return self.activation.apply_inplace(self.pre_activation(x))
 
     def _act_params(self):
@@ -636,19 +767,21 @@ class Dense(TrainableLayer):
     type_name = "dense"
     _PARAMS = ("units", "activation", "bias")
     _REQUIRED = ("units",)
+    units: int
 
-    def __init__(self, units, activation="identity", bias=True):
+    def __init__(self, units: int, activation: str | Mapping[str, Any] | Activation | None = "identity",
+                 bias: bool = True) -> None:
         self.units = _positive_int("units", units)
         super().__init__(activation, bias)
 
     @property
-    def n_outputs(self):
+    def n_outputs(self) -> int:
         return self.units
 
     def _params(self):
         return {"units": self.units, **self._act_params()}
 
-    def output_shape(self, input_shape):
+    def output_shape(self, input_shape: Sequence[int]) -> tuple[int, ...]:
         input_shape = _as_shape("input_shape", input_shape)
         if len(input_shape) != 1:
             raise ValueError(f"Dense expects a flat per-sample input (d,), got {input_shape}; add a Flatten before it")
@@ -657,7 +790,8 @@ class Dense(TrainableLayer):
     def _n_inputs(self, input_shape):
         return input_shape[0] + self.bias
 
-    def accumulate(self, G, C, x, z, *, scratch_bytes=DEFAULT_SCRATCH_BYTES):
+    def accumulate(self, G: npt.NDArray[np.floating], C: npt.NDArray[np.floating], x: npt.ArrayLike,
+                   z: npt.ArrayLike, *, scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> None:
         """G += [x, 1]^T [x, 1] (upper triangle), C += [x, 1]^T z.
 
         Parameters
@@ -683,7 +817,7 @@ class Dense(TrainableLayer):
     def _target_shapes(self, x):
         return [(x.shape[0], self.units)]
 
-    def ls_rows(self, x):
+    def ls_rows(self, x: npt.ArrayLike) -> npt.NDArray[np.floating]:
         x = self._ls_input(x, self._INPUT_NDIM, self._INPUT_WHAT)
         if not self.bias:
             return x
@@ -692,7 +826,7 @@ class Dense(TrainableLayer):
         A[:, -1] = 1
         return A
 
-    def pre_activation(self, x):
+    def pre_activation(self, x: npt.ArrayLike) -> npt.NDArray[np.floating]:
         """x @ W[:d] + W[d].
 
         Parameters
@@ -744,8 +878,14 @@ class Conv2d(TrainableLayer):
     type_name = "conv2d"
     _PARAMS = ("filters", "kernel_size", "stride", "padding", "activation", "bias")
     _REQUIRED = ("filters", "kernel_size")
+    filters: int
+    kernel_size: tuple[int, int]
+    stride: tuple[int, int]
+    padding: str | tuple[int, int]
 
-    def __init__(self, filters, kernel_size, stride=1, padding="valid", activation="identity", bias=True):
+    def __init__(self, filters: int, kernel_size: int | Sequence[int], stride: int | Sequence[int] = 1,
+                 padding: str | int | Sequence[int] = "valid",
+                 activation: str | Mapping[str, Any] | Activation | None = "identity", bias: bool = True) -> None:
         self.filters = _positive_int("filters", filters)
         self.kernel_size = _int_pair("kernel_size", kernel_size, 1)
         self.stride = _int_pair("stride", stride, 1)
@@ -765,7 +905,7 @@ class Conv2d(TrainableLayer):
         super().__init__(activation, bias)
 
     @property
-    def n_outputs(self):
+    def n_outputs(self) -> int:
         return self.filters
 
     def _params(self):
@@ -778,7 +918,7 @@ class Conv2d(TrainableLayer):
             **self._act_params(),
         }
 
-    def output_shape(self, input_shape):
+    def output_shape(self, input_shape: Sequence[int]) -> tuple[int, ...]:
         input_shape = _as_shape("input_shape", input_shape)
         if len(input_shape) != 3:
             raise ValueError(f"Conv2d expects images (H, W, C), got per-sample shape {input_shape}")
@@ -798,7 +938,8 @@ class Conv2d(TrainableLayer):
     def _conv_kwargs(self):
         return {"stride": self.stride, "padding": self.padding, "append_ones": self.bias}
 
-    def accumulate(self, G, C, x, z, *, scratch_bytes=DEFAULT_SCRATCH_BYTES):
+    def accumulate(self, G: npt.NDArray[np.floating], C: npt.NDArray[np.floating], x: npt.ArrayLike,
+                   z: npt.ArrayLike, *, scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> None:
         """G += P^T P (upper triangle), C += P^T T over all patches, streamed.
 
         P has one row per (image, output position): the (ky, kx, channel)
@@ -833,22 +974,23 @@ class Conv2d(TrainableLayer):
         oh, ow, _ = self.output_shape(x.shape[1:])
         return [(B, self.filters), (B, oh, ow, self.filters)]
 
-    def ls_rows(self, x):
+    def ls_rows(self, x: npt.ArrayLike) -> npt.NDArray[np.floating]:
         x = self._ls_input(x, self._INPUT_NDIM, self._INPUT_WHAT)
         return fastls.im2col(x, self.kernel_size, **self._conv_kwargs())
 
-    def rows_per_sample(self, input_shape):
+    def rows_per_sample(self, input_shape: Sequence[int]) -> int:
         oh, ow, _ = self.output_shape(input_shape)
         return oh * ow
 
-    def gram_flops(self, input_shape, n_samples):
+    def gram_flops(self, input_shape: Sequence[int], n_samples: int) -> float:
         im2col_macs, overlap_macs = fastls.tuning.conv_stats_cost(input_shape, self.kernel_size, stride=self.stride,
                                                            padding=self.padding)
         pick = fastls.tuning.conv_stats_method(input_shape, self.kernel_size, stride=self.stride, padding=self.padding,
                                         images=n_samples)
         return 2.0 * n_samples * (overlap_macs if pick == "overlap" else im2col_macs)
 
-    def pre_activation(self, x, *, scratch_bytes=DEFAULT_SCRATCH_BYTES):
+    def pre_activation(self, x: npt.ArrayLike, *,
+                       scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> npt.NDArray[np.floating]:
         """The convolution (plus bias), NHWC.
 
         Parameters
@@ -1009,9 +1151,23 @@ class Model:
     dtype : numpy.dtype
     trainable : list of int
         Indices into ``layers`` of the TrainableLayers, in order.
+
+    Raises
+    ------
+    TypeError
+        An entry of ``layers`` is not a Layer.
+    ValueError
+        A layer appears twice, the shapes do not chain, or the dtype is not
+        float32 or float64.
     """
 
-    def __init__(self, layers, input_shape, dtype=np.float64):
+    layers: list[Layer]
+    input_shape: tuple[int, ...]
+    dtype: np.dtype
+    trainable: list[int]
+
+    def __init__(self, layers: Iterable[Layer], input_shape: Sequence[int],
+                 dtype: npt.DTypeLike = np.float64) -> None:
         layers = list(layers)
         for i, layer in enumerate(layers):
             if not isinstance(layer, Layer):
@@ -1036,15 +1192,20 @@ class Model:
                 raise ValueError(f"layer {i}: {exc}") from None
 
     @property
-    def output_shape(self):
+    def output_shape(self) -> tuple[int, ...]:
         """Per-sample output shape of the whole model."""
         return self._shapes[-1]
 
-    def input_shape_of(self, layer_index):
+    def input_shape_of(self, layer_index: int) -> tuple[int, ...]:
         """Per-sample input shape of ``layers[layer_index]``.
 
         ``layer_index == len(layers)`` gives the model's output shape;
         negative indices count from the end as for lists.
+
+        Raises
+        ------
+        IndexError
+            ``layer_index`` outside ``[-len(layers), len(layers)]``.
         """
         i = operator.index(layer_index)
         n = len(self.layers)
@@ -1067,7 +1228,8 @@ class Model:
             x = layer.forward(x)
         return x
 
-    def forward(self, x, stop=None, batch_size=None, *, start=0):
+    def forward(self, x: npt.ArrayLike, stop: int | None = None, batch_size: int | None = None, *,
+                start: int = 0) -> npt.NDArray[np.floating]:
         """Apply ``layers[start:stop]``.
 
         Parameters
@@ -1087,6 +1249,14 @@ class Model:
         Returns
         -------
         ndarray of shape (B, *input_shape_of(stop)), model dtype
+
+        Raises
+        ------
+        ValueError
+            x's shape is not the input of ``layers[start]``, or not
+            ``0 <= start <= stop <= len(layers)``.
+        RuntimeError
+            A trainable layer of ``layers[start:stop]`` has no weights yet.
         """
         n = len(self.layers)
         stop = n if stop is None else operator.index(stop)
@@ -1106,7 +1276,7 @@ class Model:
             out[s:s + batch_size] = self._run(x[s:s + batch_size], start, stop)
         return out
 
-    def predict(self, x, batch_size=4096, *, start=0):
+    def predict(self, x: npt.ArrayLike, batch_size: int = 4096, *, start: int = 0) -> npt.NDArray[np.int64]:
         """Class labels: argmax of the output.
 
         Parameters
@@ -1125,7 +1295,8 @@ class Model:
             return np.zeros(0, dtype=np.int64)
         return out.reshape(out.shape[0], -1).argmax(axis=1).astype(np.int64)
 
-    def accuracy(self, x, y, batch_size=4096, *, start=0):
+    def accuracy(self, x: npt.ArrayLike, y: npt.ArrayLike, batch_size: int = 4096, *,
+                 start: int = 0) -> tuple[int, int]:
         """(number of correct predictions, number of samples).
 
         Parameters
@@ -1136,6 +1307,16 @@ class Model:
         batch_size : int, default=4096
         start : int, default=0
             As in :meth:`predict`.
+
+        Returns
+        -------
+        (int, int)
+            Correct predictions and samples; (0, 0) for an empty batch.
+
+        Raises
+        ------
+        ValueError
+            y's shape does not match x, or y holds non-integer labels.
         """
         y = np.asarray(y)
         n_classes = math.prod(self.output_shape)
@@ -1151,11 +1332,11 @@ class Model:
             return 0, 0
         return int((self.predict(x, batch_size=batch_size, start=start) == y).sum()), int(y.shape[0])
 
-    def n_parameters(self):
+    def n_parameters(self) -> int:
         """Number of weights, biases included (whether set or not)."""
         return sum(math.prod(self.layers[i].ls_shape(self._shapes[i])) for i in self.trainable)
 
-    def copy(self):
+    def copy(self) -> Model:
         """A new Model with the same structure and copies of the weights."""
         new = Model.from_config(self.config())
         for i in self.trainable:
@@ -1163,7 +1344,7 @@ class Model:
                 new.layers[i].set_weights(self.layers[i].weights)
         return new
 
-    def config(self):
+    def config(self) -> dict[str, Any]:
         """JSON-able structure (no weights): input_shape, dtype, layers."""
         return {
             "input_shape": list(self.input_shape),
@@ -1172,8 +1353,15 @@ class Model:
         }
 
     @classmethod
-    def from_config(cls, config):
-        """Model from :meth:`config` output (weights unset)."""
+    def from_config(cls, config: Mapping[str, Any]) -> Model:
+        """Model from :meth:`config` output (weights unset).
+
+        Raises
+        ------
+        ValueError
+            Not a model config (missing or unknown keys), or layers that
+            :func:`model_from_layers` refuses.
+        """
         if not isinstance(config, Mapping) or "layers" not in config or "input_shape" not in config:
             raise ValueError("a model config is a dict with keys 'input_shape', 'layers' and optionally 'dtype'")
         unknown = set(config) - {"input_shape", "layers", "dtype"}
@@ -1181,7 +1369,7 @@ class Model:
             raise ValueError(f"unknown model config keys {sorted(unknown)}; accepted: input_shape, layers, dtype")
         return model_from_layers(config["layers"], tuple(config["input_shape"]), config.get("dtype", "float64"))
 
-    def save(self, path, metadata=None):
+    def save(self, path: str | os.PathLike, metadata: Mapping[str, Any] | None = None) -> None:
         """Write an .npz file: JSON config, JSON metadata, weights per layer.
 
         Parameters
@@ -1192,6 +1380,11 @@ class Model:
         metadata : dict, optional
             JSON-able; NumPy scalars and arrays are converted to Python
             numbers and lists.
+
+        Raises
+        ------
+        TypeError
+            ``metadata`` is not a dict, or holds a value JSON cannot hold.
 
         Notes
         -----
@@ -1222,8 +1415,12 @@ class Model:
                 tmp.unlink()
 
     @classmethod
-    def load(cls, path):
+    def load(cls, path: str | os.PathLike) -> tuple[Model, dict[str, Any]]:
         """Read a file written by :meth:`save`.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
 
         Returns
         -------
@@ -1266,7 +1463,7 @@ class Model:
                     raise ValueError(f"{path}: {err}") from None
         return model, metadata
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         inner = ",\n    ".join(repr(layer) for layer in self.layers)
         return f"Model(input_shape={self.input_shape}, dtype={self.dtype.name}, layers=[\n    {inner}\n])"
 
@@ -1291,8 +1488,15 @@ KNOWN_MODELS = ("lr", "dnn", "dcnn")
 DCNN_PADDINGS = ("valid", "same")
 
 
-def check_padding(model, padding):
-    """Refuse a ``padding`` that :func:`build_model` does not take for ``model`` (a name in KNOWN_MODELS)."""
+def check_padding(model: str, padding: str) -> None:
+    """Refuse a ``padding`` that :func:`build_model` does not take for ``model`` (a name in KNOWN_MODELS).
+
+    Raises
+    ------
+    ValueError
+        ``padding`` is not in :data:`DCNN_PADDINGS`, or is not "valid" for a
+        model without convolutions.
+    """
     if padding not in DCNN_PADDINGS:
         raise ValueError(f"padding must be one of {', '.join(map(repr, DCNN_PADDINGS))}, got {padding!r}")
     if padding != "valid" and model != "dcnn":
@@ -1300,8 +1504,8 @@ def check_padding(model, padding):
                          f"convolutions); keep padding='valid'")
 
 
-def build_model(name, input_shape, n_classes, *, width=1.0, dtype=np.float64, negative_slope=0.01,
-                padding="valid"):
+def build_model(name: str, input_shape: Sequence[int], n_classes: int, *, width: float = 1.0,
+                dtype: npt.DTypeLike = np.float64, negative_slope: float = 0.01, padding: str = "valid") -> Model:
     """One of the paper's models (section 5.1), weights unset.
 
     Parameters
@@ -1335,21 +1539,20 @@ def build_model(name, input_shape, n_classes, *, width=1.0, dtype=np.float64, ne
     -------
     Model
 
+    Raises
+    ------
+    ValueError
+        Unknown name, a non-positive width or n_classes, a padding the model
+        does not take (:func:`check_padding`), or "dcnn" on inputs that are
+        not images.
+
     Notes
     -----
-    The paper does not give the DCNN's padding. With 'valid' padding (the
-    default, PyTorch's) the spatial size on 32x32x3 CIFAR-10 images goes
-    32 -conv5-> 28 -pool-> 14 -conv3-> 12 -pool-> 6 -conv3-> 4 -conv3-> 2, so
-    the classifier sees 2 x 2 x 2048 = 8192 features (8193 with the bias):
-    its least-squares Gram is 8193 x 8193, 537 MB in float64, which every
-    client builds and the server aggregates. With 'same' padding the map
-    stays 8 x 8 after the two pools: 8 x 8 x 2048 = 131072 features and a
-    131073^2 Gram of about 137 GB at full width, beyond a 24 GiB machine,
-    but about 10 points more accurate at the widths that fit, mostly
-    because the classifier sees 16x more positions
-    (docs/results/fig6_padding.md). (The
-    convolutions' own Grams are at most 3*3*2048 + 1 = 18433 square, 2.7 GB,
-    at full width, either way.)
+    The paper does not give the DCNN's padding. 'valid' (the default,
+    PyTorch's) keeps the full-width classifier's least-squares Gram at
+    8193 x 8193 on 32x32x3 images, where 'same' makes it 131073 x 131073;
+    docs/results/fedlayer_notes.md gives the sizes and what each padding
+    measured.
     """
     key = name.lower() if isinstance(name, str) else name
     if key not in KNOWN_MODELS:
@@ -1393,7 +1596,8 @@ def _dcnn_layers(scaled, n_classes, negative_slope, padding):
     ]
 
 
-def model_from_layers(specs, input_shape, dtype=np.float64):
+def model_from_layers(specs: Iterable[Mapping[str, Any]], input_shape: Sequence[int],
+                      dtype: npt.DTypeLike = np.float64) -> Model:
     """Model from a list of layer dicts (user-defined architectures).
 
     Parameters

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import numpy as np
+import numpy.typing as npt
 
 import fastls
+
+if TYPE_CHECKING:
+    from .run import RunConfig
 
 __all__ = ["BatchPolicy", "ClientOptions", "ServerOptions", "CLIENT_SCRATCH_BYTES", "CONV_TARGETS", "EPS_CRITERIA",
            "FORWARD_MODES", "GAMMA_SCOPES", "UPLOAD_MODES"]
@@ -61,7 +65,7 @@ class BatchPolicy:
     first: int | Mapping[int, int] = 64
     max: int | Mapping[int, int] = 1024
 
-    def sizes(self, cids) -> tuple[dict[int, int], dict[int, int]]:
+    def sizes(self, cids: Iterable[int]) -> tuple[dict[int, int], dict[int, int]]:
         """(B_1, B_max) per client of ``cids``.
 
         Raises
@@ -145,7 +149,7 @@ class ServerOptions:
         return self.gamma
 
     @classmethod
-    def from_config(cls, config, weights_dtype=None) -> ServerOptions:
+    def from_config(cls, config: RunConfig, weights_dtype: npt.DTypeLike | None = None) -> ServerOptions:
         """The options of a :class:`fedlayer.run.RunConfig`, the model's weights kept in ``weights_dtype``.
 
         Every field the config has under the same name is copied: a new
@@ -217,7 +221,7 @@ class ClientOptions:
             raise ValueError(f"h_noise must be >= 0, got {self.h_noise!r}")
 
     @classmethod
-    def from_config(cls, config, centralized=False) -> ClientOptions:
+    def from_config(cls, config: RunConfig, centralized: bool = False) -> ClientOptions:
         """The options of a :class:`fedlayer.run.RunConfig`'s clients.
 
         Every field the config has under the same name is copied: a new

@@ -3,13 +3,32 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 __all__ = ["plot_results"]
 
 
-def plot_results(results_path, out_dir=None):
-    """Write ``accuracy.png``, ``time_breakdown.png`` (and ``gcv.png`` for ``--gamma auto``); returns their paths."""
+def plot_results(results_path: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Write ``accuracy.png``, ``time_breakdown.png`` (and ``gcv.png`` for ``--gamma auto``); returns their paths.
+
+    Parameters
+    ----------
+    results_path : str or os.PathLike
+        A results.json as ``fedlayer run --output DIR`` writes it.
+    out_dir : str or os.PathLike, optional
+        Where the PNGs go (created if missing); default: beside the results.
+
+    Returns
+    -------
+    list of Path
+
+    Raises
+    ------
+    ValueError
+        The results cannot be read or are not a fedlayer results.json (checked
+        before any file is written), or ``out_dir`` is a file.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,28 +44,7 @@ def plot_results(results_path, out_dir=None):
     out.mkdir(parents=True, exist_ok=True)
     cfg = results["config"]
     title = f"{cfg['algorithm']}: {cfg['dataset']}, {cfg['model']} model, {results['n_clients']} clients"
-
-    keys = [k for k, r in results["rounds"].items() if r["accuracy"] is not None]
-    rounds = [int(k) for k in keys]
-    accuracy = [100 * results["rounds"][k]["accuracy"] for k in keys]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.plot(rounds, accuracy, marker="o")
-    # Analytic rounds train one layer each: mark which stage; the baselines' rounds are all alike.
-    layered = any(results["rounds"][k]["layer"] is not None for k in keys)
-    if layered:
-        for k, x, y in zip(keys, rounds, accuracy):
-            ax.annotate(results["rounds"][k]["stage"][0].upper(), (x, y), textcoords="offset points",
-                        xytext=(0, 7), ha="center", fontsize=8)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("round (F = federated layer, P = personalized layer)" if layered else "round")
-    ax.set_ylabel("overall test accuracy (%)")
-    ax.set_ylim(0, 105)
-    ax.set_title(title, fontsize=11)
-    ax.grid(alpha=0.3)
-    accuracy_png = out / "accuracy.png"
-    fig.tight_layout()
-    fig.savefig(accuracy_png, dpi=120)
-    plt.close(fig)
+    accuracy_png = _plot_accuracy(results, out / "accuracy.png", title, plt)
 
     totals = {}
     for record in results["rounds"].values():
@@ -75,6 +73,33 @@ def plot_results(results_path, out_dir=None):
     plt.close(fig)
     gcv_png = _plot_gcv(results, out / "gcv.png", title, plt)
     return [accuracy_png, time_png] + ([gcv_png] if gcv_png else [])
+
+
+def _plot_accuracy(results, path, title, plt):
+    """Overall test accuracy per evaluated round, analytic rounds marked by their stage; returns ``path``."""
+    from matplotlib.ticker import MaxNLocator
+
+    keys = [k for k, r in results["rounds"].items() if r["accuracy"] is not None]
+    rounds = [int(k) for k in keys]
+    accuracy = [100 * results["rounds"][k]["accuracy"] for k in keys]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(rounds, accuracy, marker="o")
+    # Analytic rounds train one layer each: mark which stage; the baselines' rounds are all alike.
+    layered = any(results["rounds"][k]["layer"] is not None for k in keys)
+    if layered:
+        for k, x, y in zip(keys, rounds, accuracy):
+            ax.annotate(results["rounds"][k]["stage"][0].upper(), (x, y), textcoords="offset points",
+                        xytext=(0, 7), ha="center", fontsize=8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("round (F = federated layer, P = personalized layer)" if layered else "round")
+    ax.set_ylabel("overall test accuracy (%)")
+    ax.set_ylim(0, 105)
+    ax.set_title(title, fontsize=11)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def _read_results(path):

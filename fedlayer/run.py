@@ -203,7 +203,7 @@ def client_cores(n_clients: int, seed: int, cores: list[int] | None = None, avai
     return [int(c) for c in rng.integers(1, available + 1, size=n_clients)]
 
 
-def pooled_data(dataset) -> ClientData:
+def pooled_data(dataset: FederatedDataset) -> ClientData:
     """All clients' training data as one client (centralized ACnnL), their test splits together."""
     clients = dataset.clients
     return ClientData(
@@ -214,7 +214,7 @@ def pooled_data(dataset) -> ClientData:
     )
 
 
-def make_clients(config: RunConfig, dataset, model_config: dict, client_ids: Iterable[int] | None = None,
+def make_clients(config: RunConfig, dataset: FederatedDataset, model_config: dict, client_ids: Iterable[int] | None = None,
                  max_cores: int | None = None) -> list:
     """The client objects for ``client_ids`` (all when None), deterministically from the config.
 
@@ -332,7 +332,7 @@ def _remove_empty(directories):
 
 
 def run(config: RunConfig, transport: Transport | None = None, progress: Callable[[str], None] | None = None,
-        dataset=None) -> dict:
+        dataset: FederatedDataset | None = None) -> dict:
     """Run ``config`` in process (or over ``transport``); returns the results dict and writes it if asked.
 
     Parameters

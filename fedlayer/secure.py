@@ -157,7 +157,7 @@ class FixedPoint:
         magnitude so that their sum cannot wrap.
     """
 
-    def __init__(self, frac_bits: int, n_terms: int):
+    def __init__(self, frac_bits: int, n_terms: int) -> None:
         self.frac_bits = int(frac_bits)
         self.n_terms = max(1, int(n_terms))
         self.scale = float(2.0 ** self.frac_bits)
@@ -410,7 +410,7 @@ def choose_contributors(alive: Sequence[int], graph: Mapping[int, Sequence[int]]
     return sorted(max(candidates, key=lambda s: (len(s), s in history, sorted(-c for c in s))))
 
 
-def neighbour_graph(cids: Iterable[int], seed, degree: int | None = None) -> dict[int, list[int]]:
+def neighbour_graph(cids: Iterable[int], seed: int | bytes, degree: int | None = None) -> dict[int, list[int]]:
     """Each client's neighbours: a Harary graph (ring with k/2 nearest on each side) over a seeded permutation.
 
     ``degree`` defaults to :func:`secagg_degree` (2 ceil(log2 n), more where
@@ -646,7 +646,7 @@ def _parse_share(plain, sender):
 class SecureClientState:
     """A client's secrets and the shares it holds for its neighbours; lives with the client only."""
 
-    def __init__(self, cid: int, min_survivors: int = 1):
+    def __init__(self, cid: int, min_survivors: int = 1) -> None:
         self.cid = int(cid)
         self.min_survivors = int(min_survivors)
         self._private = _crypto().X25519PrivateKey.generate()   # the mask key (never leaves this client)
@@ -854,7 +854,7 @@ class SecureServer:
     the survivors reveal.
     """
 
-    def __init__(self, seed: int, degree: int | None = None, min_group_size: int = 3):
+    def __init__(self, seed: int, degree: int | None = None, min_group_size: int = 3) -> None:
         self.seed = int(seed)
         self.degree = degree
         self.min_group_size = int(min_group_size)

@@ -10,12 +10,15 @@ attribute is the wrapped client's.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Collection, Hashable, Sequence
 
 import fastls
 
 from .secure import FixedPoint, SecureClientState, magnitude_exponent
 from .transport import pack_upper
+
+if TYPE_CHECKING:
+    from .client import Client
 
 __all__ = ["SecureClient"]
 
@@ -36,7 +39,7 @@ class SecureClient:
         The keys and shares of the secure protocol, from :meth:`secure_keys` on.
     """
 
-    def __init__(self, client):
+    def __init__(self, client: Client) -> None:
         self.client = client
         self.client_id = client.client_id
         self.state: SecureClientState | None = None
@@ -66,15 +69,15 @@ class SecureClient:
         self.state.set_neighbours(public_keys)
         return {}
 
-    def secure_receive(self, shares: dict, context=None) -> dict:
+    def secure_receive(self, shares: dict, context: Hashable | None = None) -> dict:
         """Encrypted self-mask shares of sum ``context`` addressed to this client (sender cid -> bytes), relayed
         by the server; returns the senders whose share it could not open ("reports": sender -> why)."""
         start = time.perf_counter()
         reports = self.state.receive_shares(shares, context)
         return {"compute_s": time.perf_counter() - start, "reports": reports}
 
-    def secure_bound(self, position: int, batch_size: int, summed, round_index: int = 0,
-                     target_moments: bool = False, upper=(), coordinates: bool = False) -> dict:
+    def secure_bound(self, position: int, batch_size: int, summed: Sequence[str], round_index: int = 0,
+                     target_moments: bool = False, upper: Sequence[str] = (), coordinates: bool = False) -> dict:
         """First half of a secure sum: compute the statistics, keep them, declare their magnitude exponent.
 
         ``summed`` names the entries of ``local_stats`` the server sums;
@@ -96,13 +99,14 @@ class SecureClient:
         result["compute_s"] += time.perf_counter() - start
         return {**result, "exponent": exponent}
 
-    def secure_self_mask(self, context, members=None) -> dict:
+    def secure_self_mask(self, context: Hashable, members: Collection[int] | None = None) -> dict:
         """A fresh self mask for the sum ``context``, shared among its neighbours in ``members``; returns the shares."""
         start = time.perf_counter()
         shares = self.state.new_self_mask(context, members)
         return {"shares": shares, "compute_s": time.perf_counter() - start}
 
-    def secure_upload(self, position: int, context, frac_bits: int, n_terms: int, members) -> dict:
+    def secure_upload(self, position: int, context: Hashable, frac_bits: int, n_terms: int,
+                      members: Collection[int]) -> dict:
         """Second half: the kept statistics in fixed point, masked (only their sum over ``members`` decodes).
 
         The statistics stay until :meth:`secure_reveal` (or the next
@@ -115,7 +119,7 @@ class SecureClient:
             masked = self.state.mask(context, kept, members, code=FixedPoint(frac_bits, n_terms), exponent=exponent)
         return {**masked, "compute_s": time.perf_counter() - start}
 
-    def secure_reveal(self, context, dropped, survivors) -> dict:
+    def secure_reveal(self, context: Hashable, dropped: Collection[int], survivors: Collection[int]) -> dict:
         """For unmasking the sum ``context``: this sum's pairwise keys with dropped neighbours, self-mask shares of
         surviving ones."""
         start = time.perf_counter()

@@ -12,15 +12,27 @@ results record shared by the analytic methods and the baselines, and
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 __all__ = ["Clock", "RoundLog", "payload_bytes", "time_summary"]
 
 
-def payload_bytes(obj):
-    """Bytes a message carries: the sum of its NumPy buffers (scalars count 8)."""
+def payload_bytes(obj: Any) -> int:
+    """Bytes a message carries: the sum of its NumPy buffers (scalars count 8).
+
+    Parameters
+    ----------
+    obj : ndarray, dict, list, tuple or scalar
+        Dicts, lists and tuples are walked; every other value counts 8 bytes.
+
+    Returns
+    -------
+    int
+    """
     if isinstance(obj, np.ndarray):
         return obj.nbytes
     if isinstance(obj, dict):
@@ -37,7 +49,7 @@ class Clock:
     bandwidth_bytes_per_s: float = 100e9 / 8  # the paper's 100 Gbit/s InfiniBand
     latency_s: float = 5e-6
 
-    def transfer(self, nbytes):
+    def transfer(self, nbytes: float) -> float:
         """Seconds one message of ``nbytes`` takes (0 on an infinite-bandwidth clock: no network)."""
         if math.isinf(self.bandwidth_bytes_per_s):
             return 0.0
@@ -56,7 +68,25 @@ class RoundLog:
     clock : Clock
     """
 
-    def __init__(self, stage, position, clock):
+    stage: str
+    position: int | None
+    clock: Clock
+    compute: dict[int, float]
+    up: dict[int, float]
+    down: dict[int, float]
+    batch: dict[int, int]
+    parts: dict[int, dict[str, float]]
+    server_s: float
+    eval_s: float | None
+    selection: dict[Any, dict[str, Any]]
+    chosen: dict[int, dict[str, Any]]
+    dropped: dict[int, Any]
+    withheld: dict[Any, dict[str, Any]]
+    transport: dict[str, Any]
+    up_bytes: int
+    down_bytes: int
+
+    def __init__(self, stage: str, position: int | None, clock: Clock) -> None:
         self.stage, self.position, self.clock = stage, position, clock
         self.compute, self.up, self.down, self.batch, self.parts = {}, {}, {}, {}, {}
         self.server_s = 0.0
@@ -68,10 +98,18 @@ class RoundLog:
         self.transport = {}  # the transport's own measurements, recorded as they are
         self.up_bytes = self.down_bytes = 0
 
-    def arrived(self, cid, compute_s, up_bytes, parts=None):
+    def arrived(self, cid: int, compute_s: float, up_bytes: int, parts: Mapping[str, float] | None = None) -> None:
         """Client ``cid`` finished after ``compute_s`` and uploaded ``up_bytes``.
 
-        ``parts`` (optional) splits ``compute_s``, e.g. forward / statistics / solve seconds.
+        Parameters
+        ----------
+        cid : int
+        compute_s : float
+            The client's compute seconds in this round.
+        up_bytes : int
+            Bytes of its upload, timed by the :class:`Clock`.
+        parts : dict of str to float, optional
+            Splits ``compute_s``, e.g. forward / statistics / solve seconds.
         """
         if parts:
             self.parts[cid] = dict(parts)
@@ -79,13 +117,23 @@ class RoundLog:
         self.up[cid] = self.clock.transfer(up_bytes)
         self.up_bytes += up_bytes
 
-    def sent(self, cid, down_bytes):
+    def sent(self, cid: int, down_bytes: int) -> None:
         """The server sent ``down_bytes`` to client ``cid``."""
         self.down[cid] = self.clock.transfer(down_bytes)
         self.down_bytes += down_bytes
 
-    def record(self, accuracy):
-        """The round's results record (``accuracy`` None when the round was not evaluated)."""
+    def record(self, accuracy: float | None) -> dict[str, Any]:
+        """The round's results record (``accuracy`` None when the round was not evaluated).
+
+        Returns
+        -------
+        dict
+            JSON-able: ``stage``, ``layer``, ``accuracy``, ``server_s``,
+            ``bytes_up``, ``bytes_down``, ``clients`` (per client id as a
+            string: ``compute_s``, ``comm_s``, ``idle_s``, ``arrival_s``), and
+            the optional entries this log holds (``eval_s``, ``selection``,
+            ``dropped``, ``withheld``, ``transport``).
+        """
         arrival = {cid: self.compute[cid] + self.up[cid] for cid in self.compute}
         latest = max(arrival.values(), default=0.0)
         clients = {
@@ -116,8 +164,21 @@ class RoundLog:
         }
 
 
-def time_summary(rounds):
-    """Averaged total training time per client = compute + idle + communication (paper's metric)."""
+def time_summary(rounds: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Averaged total training time per client = compute + idle + communication (paper's metric).
+
+    Parameters
+    ----------
+    rounds : iterable of dict
+        Records of :meth:`RoundLog.record`.
+
+    Returns
+    -------
+    dict
+        ``compute_s``, ``idle_s``, ``comm_s`` (each client's sum over the
+        rounds, averaged over the clients) and ``total_s``, their sum; all 0
+        without rounds.
+    """
     totals = {}
     for record in rounds:
         for cid, t in record["clients"].items():

@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
+import numpy.typing as npt
 from scipy.linalg import lapack
 
 import fastls
 
-from .messages import ClientMethod, Dropout, EvaluateReply
+from .messages import ClientMethod, ClientProtocol, Dropout, EvaluateReply
 from .timing import payload_bytes
 
 __all__ = ["Transport", "InProcessTransport", "Sum", "overall_accuracy", "fold", "pack_upper", "unpack_upper"]
@@ -96,7 +97,7 @@ def unpack_upper(packed: np.ndarray, d: int | None = None) -> np.ndarray:
     return G
 
 
-def fold(totals: dict, summed: Mapping, dtype, upper: Sequence[str] = ()) -> dict:
+def fold(totals: dict, summed: Mapping, dtype: npt.DTypeLike, upper: Sequence[str] = ()) -> dict:
     """Add the entries of ``summed`` into ``totals`` (arrays of float kind in ``dtype``); returns ``totals``.
 
     Integer arrays (the secure protocol's fixed-point words) keep their
@@ -137,7 +138,8 @@ class Transport(ABC):
         """
 
     @abstractmethod
-    def sum(self, method: str, args: dict[int, dict], keys, *, dtype=np.float64, upper=()) -> Sum:
+    def sum(self, method: str, args: dict[int, dict], keys: Sequence[str], *, dtype: npt.DTypeLike = np.float64,
+            upper: Sequence[str] = ()) -> Sum:
         """Run ``client.method(**args[cid])`` for every cid and sum the entries ``keys`` of the results.
 
         Parameters
@@ -158,7 +160,7 @@ class Transport(ABC):
         Sum
         """
 
-    def sum_groups(self, method: str, group_args: Sequence[tuple], keys: Sequence[str], *, dtype=np.float64,
+    def sum_groups(self, method: str, group_args: Sequence[tuple], keys: Sequence[str], *, dtype: npt.DTypeLike = np.float64,
                    upper: Sequence[str] = ()) -> Iterator[tuple[Any, Sum]]:
         """:meth:`sum` for several groups of clients: yields ``(key, Sum)`` per group, in the order given.
 
@@ -212,7 +214,7 @@ def client_side_sum(clients: Mapping, method: str, args: Mapping[int, dict], key
 class InProcessTransport(Transport):
     """All clients in this process, run sequentially (a simulation)."""
 
-    def __init__(self, clients: Iterable):
+    def __init__(self, clients: Iterable) -> None:
         self._clients = {c.client_id: c for c in clients}
 
     @property
@@ -227,11 +229,12 @@ class InProcessTransport(Transport):
                 raise KeyError(f"no client with id {cid}") from None
             yield cid, getattr(client, method)(**kwargs)
 
-    def sum(self, method: str, args: dict[int, dict], keys, *, dtype=np.float64, upper=()) -> Sum:
+    def sum(self, method: str, args: dict[int, dict], keys: Sequence[str], *, dtype: npt.DTypeLike = np.float64,
+            upper: Sequence[str] = ()) -> Sum:
         totals, receipts, up_bytes, dropped = client_side_sum(self._clients, method, args, keys, dtype, upper=upper)
         return Sum(totals, receipts, up_bytes, dropped)
 
-    def client(self, cid: int):
+    def client(self, cid: int) -> ClientProtocol:
         return self._clients[cid]
 
 

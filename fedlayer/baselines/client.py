@@ -11,20 +11,26 @@ functions below.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 import fastls
 
 from ..data import ClientData
 from .estimators import DirectionStream, directional_estimate
 from .hyper import BASELINES
-from .models import make_baseline_model
+from .models import BaselineModel, make_baseline_model
+
+if TYPE_CHECKING:
+    from .cohort import ClientCohort
 
 __all__ = ["BaselineClient", "moreau_inner_step", "moreau_outer_step"]
 
 
-def moreau_inner_step(theta, w, grad, personal_lr, lamda, work=None):
+def moreau_inner_step(theta: npt.NDArray[np.float64], w: npt.NDArray[np.float64], grad: npt.NDArray[np.float64],
+                      personal_lr: float, lamda: float, work: npt.NDArray[np.float64] | None = None) -> None:
     """theta -= personal_lr * (grad + lamda * (theta - w)), in place (any matching shapes).
 
     ``work`` (theta's shape) holds the intermediate; the operations are the
@@ -37,7 +43,8 @@ def moreau_inner_step(theta, w, grad, personal_lr, lamda, work=None):
     theta -= work
 
 
-def moreau_outer_step(w, theta, lr, lamda, work=None):
+def moreau_outer_step(w: npt.NDArray[np.float64], theta: npt.NDArray[np.float64], lr: float, lamda: float,
+                      work: npt.NDArray[np.float64] | None = None) -> None:
     """w -= lr * lamda * (w - theta), in place: pFedMe's local update of the global model."""
     work = np.subtract(w, theta, out=work)
     work *= lr * lamda
@@ -57,11 +64,28 @@ class BaselineClient:
         Run seed: initial parameters (identical on every client) and, with
         the client id and round index, this client's minibatch and
         perturbation draws.
-    cores : int
+    cores : int, default=1
         Local work runs under ``fastls.limit_cores(cores)``.
+
+    Raises
+    ------
+    ValueError
+        A label of ``data`` is not below ``n_classes``, or ``model_name`` is
+        not a baseline model.
     """
 
-    def __init__(self, client_id, data: ClientData, model_name, n_classes, seed, cores=1):
+    client_id: int
+    data: ClientData
+    n_classes: int
+    seed: int
+    cores: int
+    model: BaselineModel
+    params: npt.NDArray[np.float64] | None
+    theta: npt.NDArray[np.float64] | None
+    cohort: ClientCohort | None
+
+    def __init__(self, client_id: int, data: ClientData, model_name: str, n_classes: int, seed: int,
+                 cores: int = 1) -> None:
         self.client_id = int(client_id)
         self.data = data
         self.n_classes = int(n_classes)
@@ -75,19 +99,23 @@ class BaselineClient:
         fastls.blas_info()  # build threadpoolctl's controller outside the timed rounds
 
     # -- helpers --------------------------------------------------------------
-    def rng(self, round_index, algorithm):
-        """This client's generator of minibatches for one round of ``algorithm`` (both engines draw alike)."""
+    def rng(self, round_index: int, algorithm: str) -> np.random.Generator:
+        """This client's minibatch generator for round ``round_index`` of ``algorithm`` (both engines draw alike).
+
+        Seeded by (run seed, client id, round, algorithm): the same draws in
+        process and under MPI, and on resuming from a checkpoint.
+        """
         return np.random.default_rng([self.seed, self.client_id, int(round_index), _RNG_TAGS[algorithm]])
 
-    def directions(self, round_index, algorithm):
-        """This client's stream of random directions for one round of ``algorithm``."""
+    def directions(self, round_index: int, algorithm: str) -> DirectionStream:
+        """This client's random directions for round ``round_index`` of ``algorithm``, seeded as :meth:`rng`."""
         return DirectionStream([self.seed, self.client_id, int(round_index), _RNG_TAGS[algorithm], _DIRECTIONS])
 
     def _batch(self, idx):
         return self.data.x_train[idx], self.data.y_train[idx]
 
-    def sample(self, rng, size):
-        """Row indices of one minibatch of ``min(size, n_train)`` rows, drawn without replacement."""
+    def sample(self, rng: np.random.Generator, size: int) -> npt.NDArray[np.int64]:
+        """Row indices (int64) of a minibatch of ``min(size, n_train)`` rows, drawn from ``rng`` without replacement."""
         n = self.data.n_train
         return rng.choice(n, size=min(int(size), n), replace=False)
 
@@ -95,7 +123,7 @@ class BaselineClient:
         """The zeroth-order estimate at w on the batch (x, y): the batched engine's arithmetic for one client.
 
         On one BLAS thread, as the batched engine's: OpenBLAS rounds a product differently on two threads,
-        and the estimate amplifies a loss's last bit (FedZO on MNIST-DNN: 1e-2 apart after 3 rounds).
+        and the estimate amplifies a loss's last bit (docs/results/fedlayer_notes.md gives the drift measured).
         """
         x = x.reshape(len(x), -1).astype(np.float64, copy=False)[None]
         with fastls.limit_cores(1):
@@ -104,12 +132,34 @@ class BaselineClient:
             return directional_estimate(f0, losses, [stream], count, step, sphere=sphere, buffer=buffer)[0]
 
     # -- methods the server calls ---------------------------------------------
-    def initial_params(self):
+    def initial_params(self) -> dict[str, npt.NDArray[np.float64]]:
         """The seeded initial parameters (the same on every client)."""
         return {"params": self.model.init_params(self.seed)}
 
-    def local_train(self, algorithm, params, round_index, **hyper):
-        """Local update of one round; returns ``{"params", "n", "compute_s"}`` (and ``"engine"`` from a cohort)."""
+    def local_train(self, algorithm: str, params: npt.ArrayLike, round_index: int, **hyper: Any) -> dict[str, Any]:
+        """Local update of one round from the global ``params``.
+
+        Parameters
+        ----------
+        algorithm : {"fedavg", "fedzo", "baffle", "pfedme", "pfedzo"}
+        params : array_like of shape (n_params,)
+            The global parameters; not modified.
+        round_index : int
+            Seeds the round's minibatches and directions.
+        **hyper
+            The algorithm's local hyperparameters (:func:`baseline_hyper`).
+
+        Returns
+        -------
+        dict
+            ``"params"`` (n_params,) float64, ``"n"`` (training samples),
+            ``"compute_s"``, and ``"engine"`` when a cohort ran the round.
+
+        Raises
+        ------
+        ValueError
+            Unknown algorithm.
+        """
         algorithm = str(algorithm).lower()
         method = getattr(self, f"_{algorithm}", None)
         if algorithm not in BASELINES or method is None:
@@ -127,8 +177,8 @@ class BaselineClient:
         self.params = w
         return {"params": w, "n": self.data.n_train, "compute_s": compute_s}
 
-    def evaluate(self, params=None):
-        """(correct, total) on the local test split; ``params=None`` = this client's personalized model."""
+    def evaluate(self, params: npt.ArrayLike | None = None) -> dict[str, int]:
+        """``{"correct", "total"}`` on the local test split; ``params=None`` = this client's personalized model."""
         if params is None:
             params = self.theta if self.theta is not None else self.params
         total = self.data.n_test

@@ -32,8 +32,8 @@ How a round is batched
   products, draws and array arithmetic). Clients never interact within a
   round, so chunking changes nothing but memory traffic; and many small
   products split over BLAS threads stall whenever another process holds a
-  core (measured: 20x slower with one core busy), which one chunk per
-  thread does not.
+  core, which one chunk per thread does not (the measurement is in
+  docs/results/fedlayer_notes.md).
 
 There is no per-client clock: each member reports the cohort's wall time
 divided by the number of members as its ``compute_s``, and the result says
@@ -45,14 +45,18 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 import fastls
 
-from .client import moreau_inner_step, moreau_outer_step
+from .client import BaselineClient, moreau_inner_step, moreau_outer_step
 from .estimators import directional_estimate
+from .models import BaselineModel
 
 __all__ = ["ClientCohort"]
 
@@ -84,12 +88,23 @@ class ClientCohort:
     cores : int or None
         Threads the chunks of clients run on, each with one BLAS thread
         (default: the most cores any member has).
-    chunk_bytes : int
+    chunk_bytes : int, default=CHUNK_BYTES
         Memory the stacked arrays of one step may take; the clients are
         processed in chunks that fit.
+
+    Raises
+    ------
+    ValueError
+        No clients, or clients with different models.
     """
 
-    def __init__(self, clients, cores=None, chunk_bytes=CHUNK_BYTES):
+    model: BaselineModel
+    members: list[BaselineClient]
+    cores: int
+    chunk_bytes: int
+
+    def __init__(self, clients: Iterable[BaselineClient], cores: int | None = None,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
         clients = list(clients)
         if not clients:
             raise ValueError("a cohort needs at least one client")
@@ -112,8 +127,13 @@ class ClientCohort:
             client.cohort = self
 
     # -- what a member's local_train calls -------------------------------------
-    def local_train(self, client, algorithm, params, round_index, hyper):
-        """``client``'s result of this round, running the round for every member first if it has not run."""
+    def local_train(self, client: BaselineClient, algorithm: str, params: npt.ArrayLike, round_index: int,
+                    hyper: Mapping[str, Any]) -> dict[str, Any]:
+        """``client``'s result of this round, running the round for every member first if it has not run.
+
+        The arguments are those of :meth:`BaselineClient.local_train` (``hyper`` as a dict); so is the
+        result, with ``"engine": "batched"`` and the cohort's wall time per member as ``"compute_s"``.
+        """
         key = (algorithm, int(round_index), tuple(sorted(hyper.items())))
         if key != self._round or client.client_id not in self._pending or not np.array_equal(params, self._params):
             self._run(algorithm, params, int(round_index), hyper)

@@ -35,7 +35,10 @@ Its key is derived from (seed, client, round, algorithm) by NumPy's
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
+import numpy.typing as npt
 
 import fastls
 
@@ -50,20 +53,27 @@ class DirectionStream:
     key : int in [0, 2**64), or a sequence of ints hashed to one by ``np.random.SeedSequence``
     """
 
-    def __init__(self, key):
+    key: int
+    position: int
+
+    def __init__(self, key: int | Sequence[int]) -> None:
         if not isinstance(key, (int, np.integer)):
             key = np.random.SeedSequence(list(map(int, key))).generate_state(1, np.uint64)[0]
         self.key = int(key)
         self.position = 0
 
-    def rows(self, out):
+    def rows(self, out: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
         """Fill ``out`` (rows, d) with the next draws; returns each row's squared norm (rows,)."""
         sumsq = fastls.normal_rows(out, self.key, self.position)
         self.position += out.size
         return sumsq
 
 
-def directional_estimate(f0, losses, streams, count, step, *, sphere, buffer, out=None, work=None):
+def directional_estimate(f0: npt.NDArray[np.float64],
+                         losses: Callable[[npt.NDArray[np.float64], npt.NDArray[np.float64]], npt.NDArray[np.float64]],
+                         streams: Sequence[DirectionStream], count: int, step: float, *, sphere: bool,
+                         buffer: npt.NDArray[np.float64], out: npt.NDArray[np.float64] | None = None,
+                         work: npt.NDArray[np.float64] | None = None) -> npt.NDArray[np.float64]:
     """The two-point (``sphere=True``) or Stein estimate of each of C clients' gradients.
 
     Parameters
@@ -77,6 +87,9 @@ def directional_estimate(f0, losses, streams, count, step, *, sphere, buffer, ou
         Directions per client: b2 (FedZO) or K (BAFFLE).
     step : float
         mu (the sphere's radius) or sigma (the perturbations' std).
+    sphere : bool
+        True: the two-point estimate over directions on the unit sphere;
+        False: the Stein estimate over Gaussian perturbations.
     buffer : ndarray (C, J, d) float64
         Holds J directions per client at a time (J <= count); blocks of J
         give the same numbers as any other J.
@@ -115,24 +128,32 @@ def _one_client(f, w):
             lambda U, scales: f(w + scales[0][:, None] * U[0])[None])
 
 
-def zo_sphere_gradient(f, w, b2, mu, stream, block=4):
+def zo_sphere_gradient(f: Callable[[npt.NDArray[np.float64]], npt.NDArray[np.float64]],
+                       w: npt.NDArray[np.float64], b2: int, mu: float, stream: DirectionStream,
+                       block: int = 4) -> npt.NDArray[np.float64]:
     """Two-point estimate g = d / (b2 mu) * sum_j [f(w + mu v_j) - f(w)] v_j, v_j uniform on the unit sphere.
 
     ``f`` maps a stack of parameter vectors (J, d) to their losses (J,);
-    ``stream`` is a :class:`DirectionStream`. Costs b2 (+1) evaluations.
+    ``w`` is (d,) float64; ``stream`` is a :class:`DirectionStream`, ``block``
+    the directions evaluated at a time (any gives the same estimate). Costs
+    b2 (+1) evaluations; returns g (d,) float64.
     """
     f0, losses = _one_client(f, w)
     buffer = np.empty((1, min(int(block), int(b2)), w.size))
     return directional_estimate(f0, losses, [stream], b2, mu, sphere=True, buffer=buffer)[0]
 
 
-def stein_gradient(f, w, K, sigma, stream, clip=0.3, block=4):
+def stein_gradient(f: Callable[[npt.NDArray[np.float64]], npt.NDArray[np.float64]],
+                   w: npt.NDArray[np.float64], K: int, sigma: float, stream: DirectionStream,
+                   clip: float | None = 0.3, block: int = 4) -> npt.NDArray[np.float64]:
     """BAFFLE's estimate g = 1 / (K sigma^2) * sum_k [f(w + delta_k) - f(w)] delta_k, delta_k ~ N(0, sigma^2 I).
 
     ``f`` maps a stack of parameter vectors (J, d) to their losses (J,).
     With ``clip`` (default 0.3), every coordinate of g is clipped to
     ``[-clip, clip]`` (infinity-norm clipping); ``clip=None`` returns the raw
-    estimate. Costs K (+1) evaluations.
+    estimate. ``w`` is (d,) float64, ``stream`` a :class:`DirectionStream`
+    and ``block`` as in :func:`zo_sphere_gradient`. Costs K (+1)
+    evaluations; returns g (d,) float64.
     """
     f0, losses = _one_client(f, w)
     buffer = np.empty((1, min(int(block), int(K)), w.size))

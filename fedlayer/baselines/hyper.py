@@ -41,6 +41,8 @@ in the reference's ``UserpFedMe.train``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .._validation import Interval, check_param
 from .models import MODEL_HIDDEN
 
@@ -109,11 +111,17 @@ HYPER_CONSTRAINTS = {
 }
 
 
-def baseline_hyper(algorithm, dataset, model, **overrides):
+def baseline_hyper(algorithm: str, dataset: str, model: str, **overrides: Any) -> dict[str, Any]:
     """Default hyperparameters of ``algorithm`` on ``dataset`` with ``model``, updated by ``overrides``.
 
     The result includes ``"rounds"``; pass the rest to :func:`run_baseline`
     (``rounds`` separately).
+
+    Raises
+    ------
+    ValueError
+        Unknown algorithm, no defaults for the dataset and model, an unknown
+        hyperparameter, or a value out of its range (``HYPER_CONSTRAINTS``).
     """
     algorithm, dataset, model = str(algorithm).lower(), str(dataset).lower(), str(model).lower()
     if algorithm not in BASELINES:

@@ -7,7 +7,10 @@ plain vector arithmetic.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
+import numpy.typing as npt
 
 import fastls
 
@@ -26,7 +29,16 @@ class BaselineModel:
     row-major) then ``b_l`` (n_out,).
     """
 
-    def __init__(self, name, n_features, n_classes, hidden=()):
+    name: str
+    n_features: int
+    n_classes: int
+    layer_sizes: tuple[int, ...]
+    shapes: list[tuple[int, ...]]
+    sizes: list[int]
+    offsets: npt.NDArray[np.int_]
+    n_params: int
+
+    def __init__(self, name: str, n_features: int, n_classes: int, hidden: Sequence[int] = ()) -> None:
         self.name = name
         self.n_features = int(n_features)
         self.n_classes = int(n_classes)
@@ -39,11 +51,11 @@ class BaselineModel:
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int)
         self.n_params = int(self.offsets[-1])
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"BaselineModel({self.name!r}, layers={self.layer_sizes}, n_params={self.n_params})"
 
     # -- parameters ----------------------------------------------------------
-    def unpack(self, params):
+    def unpack(self, params: npt.ArrayLike) -> list[npt.NDArray[np.floating]]:
         """Views ``[W_1, b_1, W_2, b_2, ...]`` into ``params``.
 
         ``params`` is one flat vector (n_params,) or a stack of them (..., n_params);
@@ -56,8 +68,8 @@ class BaselineModel:
         lead = params.shape[:-1]
         return [params[..., a:b].reshape(lead + s) for a, b, s in zip(self.offsets[:-1], self.offsets[1:], self.shapes)]
 
-    def init_params(self, seed):
-        """PyTorch-default-like init: W and b ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), seeded."""
+    def init_params(self, seed: int) -> npt.NDArray[np.float64]:
+        """PyTorch-default-like init: W and b ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), seeded; (n_params,) float64."""
         rng = np.random.default_rng([int(seed), 0xBA5E])
         params = np.empty(self.n_params)
         views = self.unpack(params)
@@ -99,15 +111,17 @@ class BaselineModel:
         shifted = logits - logits.max(axis=-1, keepdims=True)
         return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
-    def logits(self, params, x):
+    def logits(self, params: npt.NDArray[np.float64], x: npt.ArrayLike) -> npt.NDArray[np.float64]:
+        """The output layer's scores (B, n_classes) of the samples x (B, ...) at params (n_params,)."""
         return self._forward(params, x)[-1]
 
-    def loss(self, params, x, y):
-        """Mean cross-entropy of the softmax outputs on (x, y)."""
+    def loss(self, params: npt.NDArray[np.float64], x: npt.ArrayLike, y: npt.ArrayLike) -> float:
+        """Mean cross-entropy of the softmax outputs at ``params`` (n_params,) on samples x (B, ...), labels y (B,)."""
         return float(self._mean_nll(self._log_softmax(self.logits(params, x)), np.asarray(y)))
 
-    def loss_and_grad(self, params, x, y):
-        """(loss, flat gradient) by exact backpropagation."""
+    def loss_and_grad(self, params: npt.NDArray[np.float64], x: npt.ArrayLike,
+                      y: npt.ArrayLike) -> tuple[float, npt.NDArray[np.float64]]:
+        """(loss, flat gradient (n_params,) float64) of :meth:`loss`, by exact backpropagation."""
         y = np.asarray(y)
         acts = self._forward(params, x)
         logp = self._log_softmax(acts[-1])
@@ -143,12 +157,15 @@ class BaselineModel:
                 delta = self._matmul(delta, views[2 * l].swapaxes(-1, -2)) * (acts[l] > 0)
         return grad
 
-    def grad(self, params, x, y):
-        """Flat gradient of :meth:`loss` (exact backpropagation)."""
+    def grad(self, params: npt.NDArray[np.float64], x: npt.ArrayLike, y: npt.ArrayLike) -> npt.NDArray[np.float64]:
+        """Flat gradient (n_params,) float64 of :meth:`loss` (exact backpropagation)."""
         return self.loss_and_grad(params, x, y)[1]
 
     # -- stacked clients (the batched engine) --------------------------------
-    def directional_losses(self, W, x, y):
+    def directional_losses(
+        self, W: npt.NDArray[np.float64], x: npt.NDArray[np.float64], y: npt.NDArray[np.integer],
+    ) -> tuple[npt.NDArray[np.float64],
+               Callable[[npt.NDArray[np.float64], npt.NDArray[np.float64]], npt.NDArray[np.float64]]]:
         """Each client's loss at its parameters, and its losses along directions from there.
 
         Parameters
@@ -190,7 +207,8 @@ class BaselineModel:
 
         return f0, losses
 
-    def stacked_grad(self, params, x, y, out=None):
+    def stacked_grad(self, params: npt.NDArray[np.float64], x: npt.NDArray[np.float64], y: npt.NDArray[np.integer],
+                     out: npt.NDArray[np.float64] | None = None) -> npt.NDArray[np.float64]:
         """Gradients (C, P) of each client's mean loss at params (C, P) on its batch x (C, m, n_features), y (C, m).
 
         ``out`` (C, P) float64 receives them when given (a reused buffer
@@ -199,8 +217,8 @@ class BaselineModel:
         acts = self._forward(params, x)
         return self._backward(params, acts, self._output_error(self._log_softmax(acts[-1]), y), out)
 
-    def predict(self, params, x, chunk=8192):
-        """Predicted labels, evaluated in chunks of ``chunk`` samples."""
+    def predict(self, params: npt.NDArray[np.float64], x: npt.ArrayLike, chunk: int = 8192) -> npt.NDArray[np.int64]:
+        """Predicted labels (B,) of the samples x (B, ...), evaluated in chunks of ``chunk`` samples."""
         n = len(x)
         out = np.empty(n, dtype=np.int64)
         for start in range(0, n, chunk):
@@ -208,10 +226,17 @@ class BaselineModel:
         return out
 
 
-def make_baseline_model(name, n_features, n_classes, seed=None):
+def make_baseline_model(name: str, n_features: int | Sequence[int], n_classes: int,
+                        seed: int | None = None) -> BaselineModel | tuple[BaselineModel, npt.NDArray[np.float64]]:
     """``"lr"`` or ``"dnn"`` model; with ``seed``, returns ``(model, initial params)``.
 
-    ``n_features`` may be an int or a feature shape (it is flattened).
+    ``n_features`` may be an int or a feature shape (it is flattened). The
+    initial parameters are :meth:`BaselineModel.init_params` of ``seed``.
+
+    Raises
+    ------
+    ValueError
+        ``name`` is not a key of :data:`MODEL_HIDDEN`.
     """
     key = str(name).lower()
     if key not in MODEL_HIDDEN:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import numbers
 import os
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..checkpoint import check_fingerprint, read_state, write_state
 from ..timing import Clock, RoundLog, payload_bytes
-from ..transport import overall_accuracy
+from ..transport import Transport, overall_accuracy
 from .hyper import BASELINES
 
 __all__ = ["DIVERGED_SIZE", "PERSONALIZED", "BaselineCheckpoints", "Diverged", "load_baseline_checkpoint",
@@ -22,23 +25,43 @@ _FORMAT = "fedlayer-baseline-checkpoint-1"
 _ADDED_KEYS = ("eval_every",)
 
 
-def save_baseline_checkpoint(path, *, fingerprint, params, rounds, best_accuracy):
+def save_baseline_checkpoint(path: str | os.PathLike, *, fingerprint: Mapping[str, Any] | None,
+                             params: npt.ArrayLike, rounds: list[dict[str, Any]],
+                             best_accuracy: float | None) -> None:
     """Write a baseline's state after ``len(rounds)`` rounds to ``path`` atomically.
 
     The state is all a baseline carries from round to round: the global
     parameters (bit for bit) and the records so far. Every random draw is
     seeded by (seed, client, round), so a resumed run repeats the rounds an
     uninterrupted one would have run.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    fingerprint : dict or None
+        The settings that determine the parameters; a resume must match them.
+    params : array_like of shape (n_params,)
+        The global parameters, stored as float64.
+    rounds : list of dict
+        The round records so far (:func:`run_baseline`'s).
+    best_accuracy : float or None
     """
     write_state(path, {"format": _FORMAT, "fingerprint": fingerprint, "rounds": rounds,
                        "best_accuracy": best_accuracy}, {"params": np.asarray(params, dtype=np.float64)},
-                compress=True)  # a thousand rounds of per-client records deflate about threefold
+                compress=True)  # the per-client records of many rounds deflate well (docs/results/fedlayer_notes.md)
 
 
-def load_baseline_checkpoint(path, fingerprint):
+def load_baseline_checkpoint(path: str | os.PathLike, fingerprint: Mapping[str, Any] | None) -> dict[str, Any]:
     """The state :func:`save_baseline_checkpoint` wrote, refused if damaged or of another configuration.
 
-    Returns dict with "params", "rounds" (the records so far) and "best_accuracy".
+    ``fingerprint`` is the resuming run's; keys added to the fingerprint after
+    the file was written match any value.
+
+    Returns
+    -------
+    dict
+        ``"params"`` (n_params,) float64, ``"rounds"`` (the records so far)
+        and ``"best_accuracy"``.
     """
     state, arrays = read_state(path, _FORMAT)
     # Keys added to the fingerprint after checkpoints of this format were written match any value.
@@ -78,47 +101,50 @@ class BaselineCheckpoints:
     every: int = 10
     fingerprint: dict | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, numbers.Integral) or self.every < 1:
             raise ValueError(f"checkpoints are written every n >= 1 rounds, got every={self.every!r}")
 
 
-def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, progress=None,
-                 init_params=None, checkpoints=None, resume=None, **hyper):
+def run_baseline(transport: Transport, algorithm: str, rounds: int, *, clock: Clock = Clock(), eval_every: int = 1,
+                 progress: Callable[[str], object] | None = None, init_params: npt.ArrayLike | None = None,
+                 checkpoints: BaselineCheckpoints | None = None, resume: Mapping[str, Any] | None = None,
+                 **hyper: Any) -> dict[str, Any]:
     """Run a baseline for ``rounds`` rounds over ``transport``'s clients (all participate every round).
 
     Parameters
     ----------
     transport : Transport of :class:`BaselineClient`
-    algorithm : one of "fedavg", "fedzo", "baffle", "pfedme", "pfedzo"
+    algorithm : {"fedavg", "fedzo", "baffle", "pfedme", "pfedzo"}
     rounds : int
     clock : Clock
         Communication time of the parameter vector, down and up, per client and round.
     eval_every : int
-        Overall test accuracy after every ``eval_every``-th round and the last
-        one (``accuracy`` is None in the other records).
+        Overall test accuracy after every ``eval_every``-th round and the last (``accuracy`` None in the others).
     progress : callable(str) or None
     init_params : flat ndarray or None
         Initial global parameters; None asks the first client for the seeded ones.
     checkpoints : BaselineCheckpoints or None
         Where and how often the state is written; None writes none.
     resume : dict or None
-        A state from :func:`load_baseline_checkpoint`: training goes on after
-        its last round (nothing is trained when it already holds ``rounds``).
+        A :func:`load_baseline_checkpoint` state: training goes on after its last round (none if it holds ``rounds``).
     **hyper
-        Local hyperparameters (see :data:`BASELINES`); ``beta`` is the
-        server's pFedMe/pFedZO mixing weight (default 1).
+        Local hyperparameters (:data:`BASELINES`); ``beta``: the server's pFedMe/pFedZO mixing weight (default 1).
 
     Returns
     -------
-    dict with "rounds" (:class:`fedlayer.timing.RoundLog` records, each with its
-    "wall_s": the round's wall time, evaluation included), "accuracy"
-    (of the last round), "best_accuracy" (best evaluated round) and "params"
-    (final global parameters).
+    dict
+        "rounds" (:class:`fedlayer.timing.RoundLog` records, each with "wall_s", the round's wall time, evaluation
+        included), "accuracy" (of the last round), "best_accuracy" (best evaluated round), "params" (final global
+        parameters). Accuracy is correct / total over all clients' local test splits, of the global model (FedAvg,
+        FedZO, BAFFLE) or of each client's personalized model theta (pFedMe, pFedZO).
 
-    Accuracy is the overall test accuracy: correct / total summed over all
-    clients' local test splits, of the global model (FedAvg, FedZO, BAFFLE)
-    or of each client's personalized model theta (pFedMe, pFedZO).
+    Raises
+    ------
+    ValueError
+        Unknown algorithm, ``rounds`` or ``eval_every`` < 1, or a ``resume`` holding more rounds than ``rounds``.
+    Diverged
+        The global parameters became non-finite or larger than :data:`DIVERGED_SIZE`.
     """
     algorithm = str(algorithm).lower()
     if algorithm not in BASELINES:
@@ -129,13 +155,8 @@ def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, p
     beta = float(hyper.pop("beta", 1.0))
     personalized = algorithm in PERSONALIZED
     cids = transport.client_ids
-    records, best = [], None
-    if resume is not None:
-        init_params, records, best = _resumed(resume, algorithm, int(rounds), int(eval_every), checkpoints)
-    elif init_params is None:
-        (_, first), = transport.call("initial_params", {cids[0]: {}})
-        init_params = first["params"]
-    w = np.array(init_params, dtype=np.float64)
+    w, records, best = _start(transport, cids, algorithm, int(rounds), int(eval_every), init_params, checkpoints,
+                              resume)
     saved = len(records)  # the round the checkpoint on disk holds (0: none)
 
     for r in range(len(records), int(rounds)):
@@ -163,6 +184,17 @@ def run_baseline(transport, algorithm, rounds, *, clock=Clock(), eval_every=1, p
             progress(f"{algorithm} round {r + 1}/{rounds}"
                      + (f", accuracy {accuracy:.4f}" if accuracy is not None else ""))
     return {"rounds": records, "accuracy": records[-1]["accuracy"], "best_accuracy": best, "params": w}
+
+
+def _start(transport, cids, algorithm, rounds, eval_every, init_params, checkpoints, resume):
+    """(global parameters, records, best accuracy) before the first round to run: a checkpoint's, or fresh ones."""
+    records, best = [], None
+    if resume is not None:
+        init_params, records, best = _resumed(resume, algorithm, rounds, eval_every, checkpoints)
+    elif init_params is None:
+        (_, first), = transport.call("initial_params", {cids[0]: {}})
+        init_params = first["params"]
+    return np.array(init_params, dtype=np.float64), records, best
 
 
 def _resumed(resume, algorithm, rounds, eval_every, checkpoints):

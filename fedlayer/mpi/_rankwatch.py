@@ -34,6 +34,8 @@ Run as a script (``python _rankwatch.py MARKER_DIR HOST RANK:PID[:FD] ...``): it
 imports nothing but the standard library.
 """
 
+from __future__ import annotations
+
 import os
 import select
 import shutil
@@ -42,7 +44,7 @@ import sys
 import time
 
 
-def processes_with_env(name, value):
+def processes_with_env(name: str, value: str) -> dict[int, tuple[str | None, str]]:
     """{pid: (its PMI_RANK or None, its command line)} of the live processes whose environment sets name=value.
 
     How the dead-rank tests and ``experiments/dead_rank_trials.py`` find one job's ranks and watcher.
@@ -120,8 +122,12 @@ def _wake_first():
         pass
 
 
-def watch(marker_dir, host, ranks):
-    """Wait for every (rank, pid) in ``ranks`` to end; name on stderr the first that ends unexplained."""
+def watch(marker_dir: str, host: str, ranks: list[tuple[int, ...]]) -> None:
+    """Wait for every (rank, pid[, lifeline fd]) of ``ranks`` to end; name on stderr the first that ends unexplained.
+
+    ``marker_dir`` holds the markers of the ranks whose end is explained, and is removed when all have ended;
+    ``host`` names this host in the message.
+    """
     _wake_first()
     try:
         _watch(marker_dir, host, ranks)

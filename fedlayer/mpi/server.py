@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..transport import Sum, Transport, fold
 from .hooks import ServerHooks
@@ -58,8 +60,15 @@ class MPITransport(Transport):
         (the tests' slow server and trace); None: no hooks.
     """
 
+    comm: MPI.Intracomm
+    deadline_s: float
+    pack_upper: bool
+    chunk: int
+    workers: list[int]
+    hooks: ServerHooks
+
     def __init__(self, comm: MPI.Intracomm, deadline_s: float = 600.0, pack_upper: bool | None = None,
-                 chunk_bytes: int | None = None, hooks: ServerHooks | None = None):
+                 chunk_bytes: int | None = None, hooks: ServerHooks | None = None) -> None:
         if comm.Get_rank() != 0:
             raise ValueError("MPITransport runs on rank 0")
         self.comm = comm
@@ -97,10 +106,10 @@ class MPITransport(Transport):
         return self._rank_of
 
     @property
-    def client_ids(self):
+    def client_ids(self) -> list[int]:
         return sorted(self._hosts())
 
-    def rank_of(self, cid):
+    def rank_of(self, cid: int) -> int:
         """The rank hosting client ``cid``."""
         return self._hosts()[cid]
 
@@ -128,7 +137,7 @@ class MPITransport(Transport):
                 self._sends.append((request, payload.arrays))
         return self._seq, pending
 
-    def call(self, method, args):
+    def call(self, method: str, args: Mapping[int, dict[str, Any]]) -> Iterator[tuple[int, dict[str, Any]]]:
         seq, pending = self._dispatch(Op.CALL, method, args)
         busy = {r for r in self.workers if pending[r]}
         last = {r: time.monotonic() for r in busy}
@@ -147,12 +156,15 @@ class MPITransport(Transport):
                 self._unexpected(source, header)
         self._reap_sends(wait=True)
 
-    def sum(self, method, args, keys, *, dtype=np.float64, upper=()):
+    def sum(self, method: str, args: Mapping[int, dict[str, Any]], keys: Sequence[str], *,
+            dtype: npt.DTypeLike = np.float64, upper: Sequence[str] = ()) -> Sum:
         # One group of :meth:`sum_groups`: the same command and messages.
         (_, outcome), = self.sum_groups(method, [(None, args)], keys, dtype=dtype, upper=upper)
         return outcome
 
-    def sum_groups(self, method, group_args, keys, *, dtype=np.float64, upper=()):
+    def sum_groups(self, method: str, group_args: Iterable[tuple[Any, Mapping[int, dict[str, Any]]]],
+                   keys: Sequence[str], *, dtype: npt.DTypeLike = np.float64,
+                   upper: Sequence[str] = ()) -> Iterator[tuple[Any, Sum]]:
         """As :meth:`Transport.sum_groups`: one command per rank for all the groups, the sums taken a group at a time.
 
         Each rank runs its clients group by group and sends each group's
@@ -324,7 +336,7 @@ class MPITransport(Transport):
         else:
             self._sends = [(req, keep) for req, keep in self._sends if not req.Test()]
 
-    def close(self, status=0):
+    def close(self, status: int = 0) -> None:
         """Tell every worker to stop and wait for their acknowledgements (aborting on a hung rank)."""
         if self._closed:
             return

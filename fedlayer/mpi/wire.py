@@ -13,10 +13,19 @@ from __future__ import annotations
 import enum
 import os
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..transport import pack_upper, unpack_upper
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+#: What the receiver of a buffer needs: its array's shape, dtype string, and whether it travels packed.
+Desc = tuple[tuple[int, ...], str, bool]
 
 __all__ = ["CHUNK_BYTES", "TAG_CMD", "TAG_CMD_DATA", "TAG_DATA", "TAG_GROUPS", "TAG_RESULT", "Op", "Payload", "backoff",
            "configured_chunk_bytes", "group_tags", "inflate", "post_receives", "send_buffers", "unwire"]
@@ -48,12 +57,12 @@ CHUNK_BYTES = 2**30
 _MAX_SLEEP = 0.005
 
 
-def group_tags(index):
+def group_tags(index: int) -> tuple[int, int]:
     """(header tag, buffer tag) of group ``index``'s messages in a SUMS command."""
     return TAG_GROUPS + 2 * index, TAG_GROUPS + 2 * index + 1
 
 
-def configured_chunk_bytes():
+def configured_chunk_bytes() -> int:
     """Largest single MPI message in bytes: ``FEDLAYER_MPI_CHUNK_BYTES`` (every rank must agree), default 2**30."""
     return int(os.environ.get("FEDLAYER_MPI_CHUNK_BYTES", CHUNK_BYTES))
 
@@ -85,17 +94,20 @@ class Payload:
     weights every client of a rank receives) travels once.
     """
 
-    def __init__(self):
+    arrays: list[np.ndarray]
+    descs: list[Desc]
+
+    def __init__(self) -> None:
         self.arrays = []
         self.descs = []
         self._memo = {}
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         """Bytes of the buffers, as sent."""
         return int(sum(buffer.nbytes for buffer in self.arrays))
 
-    def flatten(self, obj, packed_keys=()):
+    def flatten(self, obj: Any, packed_keys: Sequence[str] = ()) -> Any:
         """``obj`` with every ndarray replaced by a placeholder whose buffer is appended to this payload.
 
         Dicts, lists and tuples are walked; other values stay in the header.
@@ -127,7 +139,7 @@ class Payload:
         return _Ref(len(self.arrays) - 1)
 
 
-def inflate(skeleton, arrays):
+def inflate(skeleton: Any, arrays: Sequence[np.ndarray]) -> Any:
     """The object :meth:`Payload.flatten` flattened, its placeholders replaced by ``arrays`` (from :func:`unwire`)."""
     if isinstance(skeleton, _Ref):
         return arrays[skeleton.i]
@@ -151,7 +163,8 @@ def _chunks(buffer, chunk):
     return [raw[start:start + chunk] for start in range(0, raw.size, chunk)]
 
 
-def send_buffers(comm, arrays, dest, tag, chunk, blocking):
+def send_buffers(comm: MPI.Comm, arrays: Sequence[np.ndarray], dest: int, tag: int, chunk: int,
+                 blocking: bool) -> list[MPI.Request]:
     """Send ``arrays`` to ``dest`` in pieces of at most ``chunk`` bytes.
 
     Returns the Isend requests when not ``blocking`` (the arrays must then
@@ -169,7 +182,8 @@ def send_buffers(comm, arrays, dest, tag, chunk, blocking):
     return requests
 
 
-def post_receives(comm, descs, source, tag, chunk):
+def post_receives(comm: MPI.Comm, descs: Sequence[Desc], source: int, tag: int,
+                  chunk: int) -> tuple[list[np.ndarray], list[MPI.Request]]:
     """Allocate the wire buffers of a header's ``descs`` and post their Irecvs: (buffers, requests)."""
     from mpi4py import MPI
 
@@ -182,12 +196,12 @@ def post_receives(comm, descs, source, tag, chunk):
     return buffers, requests
 
 
-def unwire(buffers, descs):
+def unwire(buffers: Sequence[np.ndarray], descs: Sequence[Desc]) -> list[npt.NDArray[Any]]:
     """The arrays of received ``buffers``: packed triangles unpacked to their (d, d) upper-triangular matrices."""
     return [unpack_upper(b, shape[0]) if packed else b for b, (shape, _, packed) in zip(buffers, descs, strict=True)]
 
 
-def backoff(delay):
+def backoff(delay: float) -> float:
     """Sleep ``delay`` seconds while polling; returns the next delay (doubled, at most 5 ms)."""
     time.sleep(delay)
     return min(delay * 2, _MAX_SLEEP)

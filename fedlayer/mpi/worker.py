@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -67,7 +67,13 @@ def serve(comm: MPI.Intracomm, clients: Iterable | None, hooks: WorkerHooks | No
 class Worker:
     """One worker rank's loop; each operation of rank 0's commands is a method (see :func:`serve`)."""
 
-    def __init__(self, comm, clients, hooks=None):
+    comm: MPI.Intracomm
+    rank: int
+    chunk: int
+    hooks: WorkerHooks
+    clients: dict[int, Any]
+
+    def __init__(self, comm: MPI.Intracomm, clients: Iterable | None, hooks: WorkerHooks | None = None) -> None:
         from mpi4py import MPI
 
         self.comm = comm
@@ -79,7 +85,7 @@ class Worker:
         self._status = MPI.Status()
         self._partial_sends = []  # the last command's partial sums in flight: (Isend request, buffers it reads)
 
-    def serve(self):
+    def serve(self) -> int:
         """Answer commands until a STOP; returns its status (130 when interrupted by Ctrl-C)."""
         if self._says_hello:
             self.comm.send({"op": Op.HELLO, "clients": sorted(self.clients)}, dest=0, tag=TAG_RESULT)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Mapping, Sequence
+
 import numpy as np
 
 import fastls
 
+if TYPE_CHECKING:
+    from ..client import Client
+
 __all__ = ["survivors_solution"]
 
 
-def survivors_solution(clients, rounds, group_weights, gamma=100.0) -> list[np.ndarray]:
+def survivors_solution(clients: Sequence[Client], rounds: Sequence[Mapping], group_weights: Sequence[np.ndarray],
+                       gamma: float = 100.0) -> list[np.ndarray]:
     """FedACnnL's layers solved centrally, each on the clients that did not drop out of it: the reference of dropouts.
 
     For each federated round (in order), the clients not in its ``dropped``

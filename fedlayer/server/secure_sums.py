@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
+from typing import Collection, Mapping
 
 import numpy as np
+import numpy.typing as npt
 
 from ..messages import UPLOADED, UPPER, ClientMethod, Dropout
 from ..secure import FixedPoint, SecureServer, admissible, choose_contributors, components, fraction_bits
@@ -64,7 +66,7 @@ class SecureSums:
     server : SecureServer
     """
 
-    def __init__(self, server: SecureServer):
+    def __init__(self, server: SecureServer) -> None:
         self.server = server
         self.learned: dict[int, list[frozenset]] = {}
         self.record: dict | None = None  # what the key setup cost (:meth:`setup`)
@@ -73,7 +75,7 @@ class SecureSums:
     def min_group_size(self) -> int:
         return self.server.min_group_size
 
-    def setup(self, transport: Transport, group_of: dict[int, int], rounds) -> dict:
+    def setup(self, transport: Transport, group_of: dict[int, int], rounds: Mapping[int, int]) -> dict:
         """Keys once per run: public keys up, the SecAgg+ graph per group, each client told its neighbours' keys.
 
         No secret is shared at setup: the masks of a client that drops out
@@ -101,13 +103,13 @@ class SecureSums:
                        "neighbours": {str(cid): len(nb) for cid, nb in sorted(secure.graph.items())}}
         return self.record
 
-    def learn(self, k: int, survivors) -> list:
+    def learn(self, k: int, survivors: Collection[int]) -> list:
         """Group ``k``'s sum over ``survivors`` was unmasked: the components of their graph the server decoded."""
         parts = components(self.server.graph, sorted(survivors))
         self.learned[k] += [frozenset(sorted(survivors)), *map(frozenset, parts)]
         return parts
 
-    def group_sum(self, transport: Transport, k: int, args: dict, stat_dtype) -> tuple[Sum, str | None]:
+    def group_sum(self, transport: Transport, k: int, args: dict, stat_dtype: npt.DTypeLike) -> tuple[Sum, str | None]:
         """Group ``k``'s sums by the secure protocol; returns (Sum with float totals, withheld).
 
         ``args``: cid -> the keyword arguments of its statistics

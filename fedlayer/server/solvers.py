@@ -57,7 +57,7 @@ class LayerSolver:
         from the round on it.
     """
 
-    def __init__(self, basis: np.ndarray | None, n_groups: int, keep_total: bool = False):
+    def __init__(self, basis: np.ndarray | None, n_groups: int, keep_total: bool = False) -> None:
         self.basis, self.n_groups, self.keep_total = basis, n_groups, keep_total
         self.total: SummedStatistics | None = None
 
@@ -107,7 +107,7 @@ class LayerSolver:
 class FixedGamma(LayerSolver):
     """Every group solved with the given ``gamma``."""
 
-    def __init__(self, gamma: float, basis: np.ndarray | None, n_groups: int, keep_total: bool = False):
+    def __init__(self, gamma: float, basis: np.ndarray | None, n_groups: int, keep_total: bool = False) -> None:
         super().__init__(basis, n_groups, keep_total)
         self.gamma = gamma
 
@@ -136,7 +136,7 @@ class GroupGCV(LayerSolver):
 class PooledGCV(LayerSolver):
     """One gamma by GCV on the sums over all groups; each group solved with it once all have arrived."""
 
-    def __init__(self, basis: np.ndarray | None, n_groups: int, keep_total: bool = False):
+    def __init__(self, basis: np.ndarray | None, n_groups: int, keep_total: bool = False) -> None:
         super().__init__(basis, n_groups, keep_total=True)
         self._pending = {}
 

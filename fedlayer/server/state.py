@@ -6,11 +6,12 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["ServerState", "shareable"]
 
 
-def shareable(W: np.ndarray, dtype) -> np.ndarray:
+def shareable(W: np.ndarray, dtype: npt.DTypeLike) -> np.ndarray:
     """W contiguous in ``dtype`` and read-only: clients in this process share it instead of copying it."""
     W = np.ascontiguousarray(W, dtype=dtype)
     W.flags.writeable = False
@@ -48,7 +49,7 @@ class ServerState:
     def n_groups(self) -> int:
         return max(self.group_of.values()) + 1
 
-    def install(self, k: int, W: np.ndarray, dtype) -> np.ndarray:
+    def install(self, k: int, W: np.ndarray, dtype: npt.DTypeLike) -> np.ndarray:
         """Append group ``k``'s next layer (kept shareable in ``dtype``); returns the kept array."""
         kept = shareable(W, dtype)
         self.group_weights[k].append(kept)
@@ -60,7 +61,7 @@ class ServerState:
                 "batch": self.batch, "first_durations": self.first_durations, "rounds": self.rounds}
 
     @classmethod
-    def from_checkpoint(cls, saved: Mapping[str, Any], weights_dtype=None) -> ServerState:
+    def from_checkpoint(cls, saved: Mapping[str, Any], weights_dtype: npt.DTypeLike | None = None) -> ServerState:
         """The state of :func:`fedlayer.checkpoint.load_checkpoint`'s dict, weights shareable in ``weights_dtype``
         (None: as stored)."""
         weights = {int(k): [shareable(W, W.dtype if weights_dtype is None else weights_dtype) for W in layers]
