@@ -56,7 +56,7 @@ def streamed_fit(X, y, batches):
     model = fastls.StreamingRidge(alpha=ALPHA)
     for rows in np.array_split(np.arange(len(X)), batches):
         model.partial_fit(X[rows[0]:rows[-1] + 1], y[rows[0]:rows[-1] + 1])
-    model.coef_
+    model.coef_  # noqa: B018  (reading coef_ runs the one solve, which is what is timed)
     return model
 
 

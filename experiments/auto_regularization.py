@@ -114,7 +114,8 @@ def render(store, command):
         text = ", ".join(f"{np.median(gammas[:, layer]):.3g}" for layer in range(gammas.shape[1]))
         detail = f"- **{key}**: gamma per layer (median over groups and seeds): {text}"
         if first["eps"]:
-            eps = [np.concatenate([modes["auto"][s]["eps"][layer] for s in seeds]) for layer in range(len(first["eps"]))]
+            eps = [np.concatenate([modes["auto"][s]["eps"][layer] for s in seeds])
+                   for layer in range(len(first["eps"]))]
             spread = "; ".join(f"layer {i + 1}: {np.percentile(e, 25):.3g} / {np.median(e):.3g} / "
                                f"{np.percentile(e, 75):.3g}" for i, e in enumerate(eps))
             detail += f"; eps ({'/'.join(first['eps_criteria'])}) quartiles over clients and seeds: {spread}"

@@ -55,7 +55,7 @@ def trial(mpiexec):
     time.sleep(0.5)
     os.kill(victim, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=120)
-    line = next((l for l in stderr.splitlines() if "without an error of their own" in l), "(no line)")
+    line = next((text for text in stderr.splitlines() if "without an error of their own" in text), "(no line)")
     return f"MPI rank 2 (pid {victim}" in line and "together" not in line, line
 
 

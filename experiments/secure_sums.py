@@ -201,7 +201,9 @@ def plain_on_contributors(config, dataset, secure_results):
             out.setdefault(int(cid), set()).add(position)
     clients = make_clients(config, dataset, build(config, dataset).config())
     for client in clients:
-        def local_stats(position, *args, _real=client.local_stats, _out=out.get(client.client_id, ()), **kwargs):
+        # Defaults bind this client's method and layers at definition, not the loop's last client.
+        def local_stats(position, *args, _real=client.local_stats, _out=out.get(client.client_id, ()),  # noqa: B008
+                        **kwargs):
             if position in _out:
                 raise ClientDropout(f"out of the secure run's sum of layer {position + 1}")
             return _real(position, *args, **kwargs)
@@ -219,7 +221,8 @@ def contributor_rules(seeds, out):
         m = RunConfig(**base).min_group_size
         entry = report.setdefault(str(seed), {"min_group_size": m})
         if seed == seeds[0]:
-            plain, secure = run(RunConfig(**base), dataset=dataset), run(RunConfig(**base, secure=True), dataset=dataset)
+            plain = run(RunConfig(**base), dataset=dataset)
+            secure = run(RunConfig(**base, secure=True), dataset=dataset)
             entry["no_dropouts"] = {"accuracy": {"plain": plain["accuracy"], "secure": secure["accuracy"]},
                                     "weights_rel_diff": weight_difference(plain, secure),
                                     "close_pairs": close_pair_count(secure, m)}
@@ -346,7 +349,8 @@ def main():
         report["h_noise"] = {}
         clean = None
         for sigma in (0.0, 0.1, 0.3, 1.0):
-            results = run(RunConfig(**{**mnist_base, "algorithm": "pfedacnnl"}, secure=True, h_noise=sigma), dataset=mnist)
+            config = RunConfig(**{**mnist_base, "algorithm": "pfedacnnl"}, secure=True, h_noise=sigma)
+            results = run(config, dataset=mnist)
             groups = [results["groups"][cid] for cid in sorted(results["groups"], key=int)]
             clean = groups if clean is None else clean
             # How far the noise moved the clustering: 1 = the same partition as without noise (up to names).
@@ -458,11 +462,13 @@ def render(report, args):
     if "vs_survivors_rel_diff" in d["plain 0.1"]:
         lines += ["", "Against centralized ACnnL on each layer's survivors (fresh clients of the same data, one batch "
                       "each, summed outside any transport, `fedlayer.server.survivors_solution`): plain "
-                      f"{d['plain 0.1']['vs_survivors_rel_diff']:.1e}, secure {d['secure 0.1']['vs_survivors_rel_diff']:.1e} "
+                      f"{d['plain 0.1']['vs_survivors_rel_diff']:.1e}, "
+                      f"secure {d['secure 0.1']['vs_survivors_rel_diff']:.1e} "
                       "(largest relative difference of the weights)."]
     if "pfedacnnl" in d:
         p = d["pfedacnnl"]
-        lines += ["", "pFedACnnL, `--drop-clients 0.1` (K-means groups, each client's neighbours within its group):", "",
+        lines += ["",
+                  "pFedACnnL, `--drop-clients 0.1` (K-means groups, each client's neighbours within its group):", "",
                   "| run | accuracy | clients dropped per layer | groups withheld (too few survivors) |",
                   "|---|---|---|---|"]
         for name in ("plain", "secure"):
@@ -473,7 +479,8 @@ def render(report, args):
                       f"{'' if excluded is None else f' (excluded per layer: {excluded})'}: weights differ by "
                       f"{p['secure_vs_plain_rel_diff']:.1e} (relative)."]
     lines += ["", "## Noise on the label summaries (MNIST-DNN, pFedACnnL, `--secure --h-noise SIGMA`)", "",
-              "| SIGMA | accuracy | groups after merging | adjusted Rand index against SIGMA = 0 |", "|---|---|---|---|"]
+              "| SIGMA | accuracy | groups after merging | adjusted Rand index against SIGMA = 0 |",
+              "|---|---|---|---|"]
     for sigma, r in report["h_noise"].items():
         rand = f"{r['rand_vs_clean']:.3f}" if "rand_vs_clean" in r else "-"
         lines.append(f"| {sigma} | {r['accuracy']:.4f} | {r['groups']} | {rand} |")

@@ -296,7 +296,8 @@ def main(argv=None):
         own = []
     runs, cells = load_runs(args.merge + own)
     lengths = {key: len(cell["accuracy"]) for key, cell in cells.items()}
-    command = "python experiments/table2.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    given = sys.argv[1:] if argv is None else argv
+    command = "python experiments/table2.py " + " ".join(shlex.quote(a) for a in given)
     this_run = {"command": command, "minutes": 0.0, "cells": []}
     start = time.perf_counter()
 

@@ -113,7 +113,8 @@ def fit_flops_per_thread(records):
 def grid_table(records, kind, dtype, grid):
     rows_list = grid["rows"] if kind != "solve" else grid["rows"][:1]
     if kind == "solve":
-        lines = ["| d | 1 thread (ms) | 2 threads (ms) | chosen (ms) | chosen / best | 1 / 2 |", "|---|---|---|---|---|---|"]
+        lines = ["| d | 1 thread (ms) | 2 threads (ms) | chosen (ms) | chosen / best | 1 / 2 |",
+                 "|---|---|---|---|---|---|"]
         for r in records:
             if r["kind"] == kind and r["dtype"] == dtype:
                 lines.append(f"| {r['d']} | {r['one'] * 1e3:.3f} | {r['two'] * 1e3:.3f} | {r['chosen'] * 1e3:.3f} | "
@@ -146,7 +147,8 @@ def main():
                         help="more runs for every case above the target ratio (0: none)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--from-json", default=None, help="render the report of a grid saved by --json, measuring nothing")
+    parser.add_argument("--from-json", default=None,
+                        help="render the report of a grid saved by --json, measuring nothing")
     args = parser.parse_args()
     grid = THREAD_GRID[args.size]
     records = []
@@ -164,12 +166,12 @@ def main():
                     runs = measure(call, args.flops_per_thread, repeat, args.budget)
                     previous = fastls.tuning.set_flops_per_thread(args.flops_per_thread)
                     with fastls.limit_cores(2):
-                        threads = fastls.tuning.threads_for(fastls._products._gram_thread_work(rows, d) if kind == "gram"
-                                                     else flops)
+                        work = fastls._products._gram_thread_work(rows, d) if kind == "gram" else flops
+                        threads = fastls.tuning.threads_for(work)
                     fastls.tuning.set_flops_per_thread(previous)
                     if kind == "gram":  # narrow Grams run what their timed first calls chose
-                        threads = fastls.tuning.thread_trials().get((np.dtype(dtype).char, d, rows.bit_length(), threads),
-                                                             threads)
+                        kind_key = (np.dtype(dtype).char, d, rows.bit_length(), threads)
+                        threads = fastls.tuning.thread_trials().get(kind_key, threads)
                     record = summarize({"kind": kind, "dtype": dtype, "d": d, "rows": rows, "flops": flops,
                                         "threads": threads, "runs": runs}, args.stat)
                     if ratio(record) > TARGET_RATIO and args.confirm:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from typing import Literal, Union
+from typing import Literal
 
 import numpy as np
 
@@ -13,9 +13,9 @@ from ._validation import _COUNT_MAX, _check_array
 __all__ = ["conv_output_shape", "im2col", "IntPair", "Padding"]
 
 #: A size for both image dimensions, or (height, width).
-IntPair = Union[int, tuple[int, int]]
+IntPair = int | tuple[int, int]
 #: Zero padding on both sides: an :data:`IntPair`, 'valid' (none) or 'same' (k // 2; stride 1, odd k).
-Padding = Union[IntPair, Literal["valid", "same"]]
+Padding = IntPair | Literal["valid", "same"]
 
 
 def _pair(name, value):

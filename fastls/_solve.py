@@ -340,7 +340,8 @@ def proximal_solve_dual(X: np.ndarray, Z: np.ndarray, eps: float, M: np.ndarray,
     if Z.shape[0] != n or Z.dtype != X.dtype:
         raise ValueError(f"Z must have shape ({n}, m) and the dtype of X ({X.dtype}), got {Z.shape} {Z.dtype}")
     if M.shape != (d, Z.shape[1]):
-        raise ValueError(f"M must have shape (d, m) = ({d}, {Z.shape[1]}) for X {X.shape} and Z {Z.shape}, got {M.shape}")
+        raise ValueError(f"M must have shape (d, m) = ({d}, {Z.shape[1]}) for X {X.shape} and Z {Z.shape}, "
+                         f"got {M.shape}")
     _check_pair_dtypes("M", M, "X", X)
     eps = _check_positive("eps", eps, "the proximal weight")
     block_rows = _check_count("block_rows", block_rows)

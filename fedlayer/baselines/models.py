@@ -73,8 +73,8 @@ class BaselineModel:
         rng = np.random.default_rng([int(seed), 0xBA5E])
         params = np.empty(self.n_params)
         views = self.unpack(params)
-        for l in range(len(views) // 2):
-            W, b = views[2 * l], views[2 * l + 1]
+        for k in range(len(views) // 2):
+            W, b = views[2 * k], views[2 * k + 1]
             bound = 1.0 / np.sqrt(W.shape[0])  # fan_in
             W[...] = rng.uniform(-bound, bound, size=W.shape)
             b[...] = rng.uniform(-bound, bound, size=b.shape)
@@ -98,10 +98,10 @@ class BaselineModel:
         views = self.unpack(params)
         acts = [self._input(x) if np.ndim(params) == 1 else np.asarray(x, dtype=np.float64)]
         n_layers = len(views) // 2
-        for l in range(n_layers):
-            b = views[2 * l + 1]
-            z = self._matmul(acts[-1], views[2 * l]) + (b if b.ndim == 1 else b[..., None, :])
-            if l < n_layers - 1:
+        for k in range(n_layers):
+            b = views[2 * k + 1]
+            z = self._matmul(acts[-1], views[2 * k]) + (b if b.ndim == 1 else b[..., None, :])
+            if k < n_layers - 1:
                 z = np.maximum(z, 0.0)
             acts.append(z)
         return acts  # acts[-1] are the logits
@@ -147,14 +147,14 @@ class BaselineModel:
         views = self.unpack(params)
         grad = np.empty(np.shape(params)) if out is None else out
         gviews = self.unpack(grad)
-        for l in range(len(views) // 2 - 1, -1, -1):
+        for k in range(len(views) // 2 - 1, -1, -1):
             if delta.ndim == 2:
-                fastls.matmul(acts[l].T, delta, out=gviews[2 * l], check_finite=False)
+                fastls.matmul(acts[k].T, delta, out=gviews[2 * k], check_finite=False)
             else:
-                np.matmul(acts[l].swapaxes(-1, -2), delta, out=gviews[2 * l])
-            np.sum(delta, axis=-2, out=gviews[2 * l + 1])
-            if l > 0:
-                delta = self._matmul(delta, views[2 * l].swapaxes(-1, -2)) * (acts[l] > 0)
+                np.matmul(acts[k].swapaxes(-1, -2), delta, out=gviews[2 * k])
+            np.sum(delta, axis=-2, out=gviews[2 * k + 1])
+            if k > 0:
+                delta = self._matmul(delta, views[2 * k].swapaxes(-1, -2)) * (acts[k] > 0)
         return grad
 
     def grad(self, params: npt.NDArray[np.float64], x: npt.ArrayLike, y: npt.ArrayLike) -> npt.NDArray[np.float64]:
@@ -190,8 +190,8 @@ class BaselineModel:
         n_layers = len(views) // 2
         base = np.matmul(x, views[0])  # x W_1, shared by every direction
         z = base + views[1][:, None, :]
-        for l in range(1, n_layers):
-            z = np.matmul(np.maximum(z, 0.0), views[2 * l]) + views[2 * l + 1][:, None, :]
+        for k in range(1, n_layers):
+            z = np.matmul(np.maximum(z, 0.0), views[2 * k]) + views[2 * k + 1][:, None, :]
         f0 = self._mean_nll(self._log_softmax(z), y)
 
         def losses(U, scales):
@@ -199,9 +199,9 @@ class BaselineModel:
             s = scales[..., None, None]
             z = base[:, None] + s * np.matmul(x[:, None], directions[0])
             z += (views[1][:, None] + scales[..., None] * directions[1])[..., None, :]
-            for l in range(1, n_layers):
-                weights = views[2 * l][:, None] + s * directions[2 * l]
-                bias = views[2 * l + 1][:, None] + scales[..., None] * directions[2 * l + 1]
+            for k in range(1, n_layers):
+                weights = views[2 * k][:, None] + s * directions[2 * k]
+                bias = views[2 * k + 1][:, None] + scales[..., None] * directions[2 * k + 1]
                 z = np.matmul(np.maximum(z, 0.0), weights) + bias[..., None, :]
             return self._mean_nll(self._log_softmax(z), y[:, None])
 

@@ -168,7 +168,7 @@ def test_gcv_default_grid_and_attributes(rng):
     assert model.gcv_alphas_.shape == model.gcv_values_.shape == fastls.DEFAULT_GRID.shape
     assert model.alpha_ in model.gcv_alphas_
     with pytest.raises(AttributeError, match="alpha='gcv' only"):
-        fastls.StreamingRidge(alpha=1.0).fit(X, y).gcv_values_
+        fastls.StreamingRidge(alpha=1.0).fit(X, y).gcv_values_  # noqa: B018  (the access is what raises)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -303,7 +303,8 @@ def test_scale_negatives_rejects_what_it_cannot_update(rng):
         fastls.scale_negatives(np.arange(3), 0.1)
 
 
-@pytest.mark.parametrize("images_dtype,g_dtype", [(np.float32, np.float32), (np.float64, np.float64), (np.float32, np.float64)])
+@pytest.mark.parametrize("images_dtype,g_dtype",
+                         [(np.float32, np.float32), (np.float64, np.float64), (np.float32, np.float64)])
 @pytest.mark.parametrize("shape,k,s,p", CONV_CASES)
 @pytest.mark.parametrize("per_image", [True, False])
 @pytest.mark.parametrize("scratch_rows", [1, 3, 1000])
@@ -313,7 +314,8 @@ def test_conv_gram_update_matches_im2col(rng, images_dtype, g_dtype, shape, k, s
     out_h, out_w = fastls.conv_output_shape(shape[1:3], k, s, p)
     targets = random(rng, (shape[0], m) if per_image else (shape[0], out_h, out_w, m), images_dtype)
     P = reference_im2col(images.astype(np.float64), k, s, p, True)
-    T = np.repeat(targets.astype(np.float64), out_h * out_w, axis=0) if per_image else targets.reshape(-1, m).astype(np.float64)
+    T = (np.repeat(targets.astype(np.float64), out_h * out_w, axis=0) if per_image
+         else targets.reshape(-1, m).astype(np.float64))
     d = P.shape[1]
     G0, C0 = random(rng, (d, d), g_dtype, "F"), random(rng, (d, m), g_dtype)
     G, C = G0.copy(order="F"), C0.copy()
