@@ -257,7 +257,8 @@ def test_a_secure_run_that_needs_the_dual_is_refused_before_training(rng):
 
 def test_a_run_s_options_reach_the_server_and_its_layer_shapes(tmp_path):
     """fedlayer.run: --server-solve dual gives the primal run's weights; the record says how each layer was solved."""
-    base = dict(algorithm="pfedacnnl-wp", dataset="synthetic", model="dnn", clients=6, groups=2, seed=1)
+    base = dict(algorithm="pfedacnnl-wp", dataset="synthetic", model="dnn", clients=6, groups=2, seed=1,
+                train_fraction=0.1)
     primal = run(RunConfig(**base, server_solve="primal"))
     dual = run(RunConfig(**base, server_solve="dual", output=str(tmp_path / "dual")))
     recorded = json.loads((tmp_path / "dual" / "results.json").read_text())
