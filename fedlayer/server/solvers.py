@@ -23,6 +23,7 @@ group whose sum could not be unmasked is solved on the other groups' total
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,6 +189,11 @@ class FactoredRows:
 class RowStack:
     """The rows of one group's factored uploads, appended client by client: in RAM, or memory-mapped.
 
+    F is held transposed, (d, capacity) row-major: each of the dual solve's
+    passes (K = F F^T, W = F^T alpha) reads blocks of F's columns, which
+    are then contiguous runs of the stack (sequential reads of a file that
+    the page cache cannot hold), and a client's rows are written once.
+
     Parameters
     ----------
     capacity : int
@@ -196,7 +202,7 @@ class RowStack:
         What the stacked F may take in RAM; a larger one is a ``.npy`` file
         under ``folder``, removed by :meth:`close`.
     folder : path or None
-        Where a memory-mapped stack goes (None: a temporary folder).
+        Where a memory-mapped stack goes (None: a temporary folder, removed with it).
     name : str
         The file's name, without extension.
     """
@@ -204,8 +210,8 @@ class RowStack:
     def __init__(self, capacity: int, memory_bytes: int, folder: str | os.PathLike | None, name: str) -> None:
         self.capacity, self.memory_bytes, self.name = int(capacity), int(memory_bytes), name
         self.folder = None if folder is None else Path(folder)
-        self.F = self.UZ = None
-        self.path = None
+        self.FT = self.UZ = None
+        self.path = self._temporary = None
         self.rows = 0
 
     @property
@@ -215,52 +221,59 @@ class RowStack:
 
     def append(self, F: np.ndarray, UZ: np.ndarray) -> None:
         """Add one client's F (n, d) and UZ (n, k) below the rows already stacked."""
-        if self.F is None:
+        if self.FT is None:
             self._allocate(F.shape[1], F.dtype, UZ.shape[1], UZ.dtype)
         n = len(F)
-        if F.shape[1:] != self.F.shape[1:] or UZ.shape != (n, self.UZ.shape[1]):
+        if F.ndim != 2 or F.shape[1] != self.FT.shape[0] or UZ.shape != (n, self.UZ.shape[1]):
             raise ValueError(f"{self.name}: a client's factored upload has F {F.shape} and UZ {UZ.shape}; the "
-                             f"group's have {self.F.shape[1]} and {self.UZ.shape[1]} columns and one row each per row")
+                             f"group's have {self.FT.shape[0]} and {self.UZ.shape[1]} columns and one row each per row")
         if self.rows + n > self.capacity:
             raise ValueError(f"{self.name}: {self.rows + n} rows arrived, more than the {self.capacity} the group's "
                              f"clients announced")
-        self.F[self.rows:self.rows + n] = F
+        self.FT[:, self.rows:self.rows + n] = F.T
         self.UZ[self.rows:self.rows + n] = UZ
         self.rows += n
 
     def stacked(self) -> FactoredRows:
-        """The rows that arrived (views of the stack)."""
-        return FactoredRows(self.F[:self.rows], self.UZ[:self.rows])
+        """The rows that arrived (views of the stack; F a transposed view)."""
+        return FactoredRows(self.FT[:, :self.rows].T, self.UZ[:self.rows])
 
     def close(self) -> None:
         """Release the stack (and remove its file)."""
-        self.F = self.UZ = None
+        self.FT = self.UZ = None
         if self.path is not None:
             self.path.unlink(missing_ok=True)
             self.path = None
+        if self._temporary is not None:
+            shutil.rmtree(self._temporary, ignore_errors=True)
+            self._temporary = None
 
     def _allocate(self, d, dtype, k, rhs_dtype):
-        shape = (self.capacity, d)
+        shape = (d, self.capacity)
         self.UZ = np.empty((self.capacity, k), dtype=rhs_dtype)
         if self.capacity * d * np.dtype(dtype).itemsize <= self.memory_bytes:
-            self.F = np.empty(shape, dtype=dtype)
+            self.FT = np.empty(shape, dtype=dtype)
             return
-        folder = self.folder if self.folder is not None else Path(tempfile.gettempdir())
+        folder = self.folder
+        if folder is None:
+            folder = self._temporary = Path(tempfile.mkdtemp(prefix="fedlayer-rows-"))
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / f"{self.name}.npy"
-        self.F = np.lib.format.open_memmap(self.path, mode="w+", dtype=dtype, shape=shape)
+        self.FT = np.lib.format.open_memmap(self.path, mode="w+", dtype=dtype, shape=shape)
 
 
 def dual_gram(F: np.ndarray, block_bytes: int = DUAL_BLOCK_BYTES) -> np.ndarray:
     """K = F F^T (upper triangle, float64) over blocks of F's columns, F in RAM or memory-mapped.
 
-    Each block is copied C-ordered once, so its transpose is the
-    Fortran-ordered X of :func:`fastls.gram_update` (float32 blocks
-    accumulate into float64 K there).
+    Each block of columns is copied as a C-ordered (columns, n) array X, and
+    :func:`fastls.gram_update` adds X^T X to K (float32 blocks in float32
+    BLAS, accumulated into float64 K).
 
     Parameters
     ----------
-    F : ndarray of shape (n, d), float32 or float64
+    F : ndarray of shape (n, d), float32 or float64, any layout
+        (:meth:`RowStack.stacked`'s is a transposed view: its column blocks
+        are contiguous rows of the stack)
     block_bytes : int
         Largest block copied at once.
 
@@ -271,7 +284,7 @@ def dual_gram(F: np.ndarray, block_bytes: int = DUAL_BLOCK_BYTES) -> np.ndarray:
     n, d = F.shape
     K = np.zeros((n, n))
     for columns in _column_blocks(n, d, F.dtype.itemsize, block_bytes):
-        fastls.gram_update(K, np.ascontiguousarray(F[:, columns]).T)
+        fastls.gram_update(K, np.ascontiguousarray(F[:, columns].T))
     return K
 
 

@@ -20,6 +20,7 @@ off by :class:`Variant`:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -163,12 +164,15 @@ class ProtocolRun:
             accuracy = state.rounds[-1]["accuracy"]
             self.progress(f"{what}, {'not evaluated' if accuracy is None else f'accuracy {accuracy:.4f}'}")
 
-    def client_done(self, log: RoundLog) -> None:
-        """Tell ``progress`` how many clients of the round have delivered, when it can take it (a
-        ``within_round(done, total)`` method): a round of wide layers takes minutes."""
+    def client_counter(self) -> Callable[[int], None] | None:
+        """A callback for a round's clients as they deliver (a transport's ``on_client``), which tells
+        ``progress`` how many of the round's clients are done, when it can take it (a ``within_round(done,
+        total)`` method): a round of the full-width DCNN takes minutes. None when it cannot."""
         within = getattr(self.progress, "within_round", None)
-        if within is not None:
-            within(len(log.compute), len(self.transport.client_ids))
+        if within is None:
+            return None
+        done, total = itertools.count(1), len(self.transport.client_ids)
+        return lambda cid: within(next(done), total)
 
     def timed_accuracy(self, log: RoundLog, evaluate: bool = True) -> float | None:
         """Overall test accuracy, its seconds kept in the round's log (evaluation is not training time).
@@ -318,27 +322,31 @@ def train_layer(run: ProtocolRun, state: ServerState, position: int) -> None:
                                  coordinates=layer.coordinates).kwargs() for cid in run.transport.client_ids}
     group_args = [(k, {cid: request[cid] for cid in run.transport.client_ids if state.group_of[cid] == k})
                   for k in range(n_groups)]
+    on_client = run.client_counter()
     if form == "dual":
         layer.solve = {"form": form, **plan}
         for k, args in group_args:
-            _take_rows(run, state, layer, k, args)
+            _take_rows(run, state, layer, k, args, on_client)
     else:
         # One group at a time: the server holds one group's sums and one client's statistics (docs/design.md).
-        with contextlib.closing(_group_sums(run, group_args)) as sums:
+        with contextlib.closing(_group_sums(run, group_args, on_client)) as sums:
             for k, outcome, why_withheld in sums:
                 _take_group(run, state, layer, k, outcome, why_withheld)
     _finish_layer(run, state, layer)
     _end_round(run, state, layer)
 
 
-def _group_sums(run, group_args):
-    """(group, Sum, why it was withheld or None) per group; the transport's sums, or the secure protocol's."""
+def _group_sums(run, group_args, on_client=None):
+    """(group, Sum, why it was withheld or None) per group; the transport's sums, or the secure protocol's.
+
+    ``on_client(cid)`` as each client's statistics arrive (not in secure sums, whose steps each visit every client).
+    """
     if run.secure is not None:
         for k, args in group_args:
             yield (k, *run.secure.group_sum(run.transport, k, args, run.options.stat_dtype))
         return
     stream = run.transport.sum_groups(ClientMethod.LOCAL_STATS, group_args, UPLOADED, dtype=run.options.stat_dtype,
-                                      upper=UPPER)
+                                      upper=UPPER, on_client=on_client)
     try:
         for k, outcome in stream:
             yield k, outcome, None
@@ -383,15 +391,18 @@ def _take_group(run, state, layer, k, outcome, why_withheld):
     log.server_s += time.perf_counter() - start
 
 
-def _take_rows(run, state, layer, k, args):
+def _take_rows(run, state, layer, k, args, on_client=None):
     """Stack group ``k``'s factored uploads client by client and solve the group over its rows (a dual round)."""
     log, position = layer.log, layer.position
     capacity = sum(run.rows[cid][position] for cid in args)
-    stack = RowStack(capacity, run.options.memory_bytes, run.options.scratch_dir,
+    # The stacked rows take what the budget leaves beside the group's N x N system.
+    stack = RowStack(capacity, run.options.memory_bytes - capacity * capacity * 8, run.options.scratch_dir,
                      f"rows_layer{position + 1}_group{k}")
     dropped = {}
     try:
         for cid, result in run.transport.call(ClientMethod.FACTORED_ROWS, args):
+            if on_client is not None:
+                on_client(cid)
             if "dropout" in result:
                 dropped[cid] = Dropout(result["dropout"], "ClientDropout", str(ClientMethod.FACTORED_ROWS))
                 continue
@@ -400,7 +411,6 @@ def _take_rows(run, state, layer, k, args):
             log.arrived(cid, stats.compute_s, payload_bytes({key: result[key] for key in FACTORED}),
                         parts=stats.parts)
             del result
-            run.client_done(log)
         log.dropped.update({cid: str(why) for cid, why in dropped.items()})
         if stack.rows == 0:
             if dropped:
@@ -475,7 +485,7 @@ def personalize(run: ProtocolRun, state: ServerState) -> None:
         args = {cid: PersonalizeRequest(position, run.options.eps, run.max_batch[cid],
                                         private=run.secure is not None).kwargs() for cid in run.transport.client_ids}
         # A sum of nothing: the transport's per-client receipts and dropouts.
-        outcome = run.transport.sum(ClientMethod.PERSONALIZE, args, keys=())
+        outcome = run.transport.sum(ClientMethod.PERSONALIZE, args, keys=(), on_client=run.client_counter())
         log.dropped.update({cid: str(why) for cid, why in outcome.dropped.items()})
         for cid, result in outcome.receipts.items():
             reply = PersonalizeReply.from_result(result)

@@ -140,6 +140,26 @@ def test_a_row_stack_over_its_budget_is_a_file_removed_when_closed(tmp_path, rng
     in_ram = RowStack(10, memory_bytes=10**6, folder=tmp_path, name="ram")
     in_ram.append(F, UZ)
     assert not in_ram.mapped and not list(tmp_path.iterdir())
+    assert_close(in_ram.stacked().F, F, np.float64, rtol=0)
+    temporary = RowStack(10, memory_bytes=100, folder=None, name="rows")
+    temporary.append(F, UZ)
+    folder = temporary.path.parent
+    assert temporary.mapped and folder.exists()
+    temporary.close()
+    assert not folder.exists()
+
+
+def test_the_dual_gram_and_solve_read_a_transposed_stack(rng):
+    F, UZ = rng.standard_normal((12, 40)).astype(np.float32), rng.standard_normal((12, 3))
+    stack = RowStack(15, memory_bytes=10**6, folder=None, name="rows")
+    stack.append(F[:5], UZ[:5])
+    stack.append(F[5:], UZ[5:])
+    rows = stack.stacked()
+    F64 = F.astype(np.float64)
+    assert_close(np.triu(dual_gram(rows.F, block_bytes=12 * 4 * 9)), np.triu(F64 @ F64.T), np.float32, n_terms=40)
+    W = DualSolve(2.0, None, 1, block_bytes=12 * 8 * 9).add(0, rows, {})
+    # float32 rows are multiplied in float32 BLAS (as the primal's Gram is): the contract is 1e-5.
+    assert relative(W, fastls.ridge_solve(F64.T @ F64, F64.T @ UZ, 2.0)) <= 1e-5
 
 
 def test_the_cost_rule_takes_the_primal_wherever_the_gram_fits():
