@@ -298,10 +298,14 @@ class DualSolve(LayerSolver):
 
     The same minimizer of ||Z - X W||^2 + gamma ||W||^2 as
     :class:`FixedGamma`, through an N x N system instead of a d x d one.
+    With ``gamma="auto"`` each group's gamma minimizes GCV over the
+    eigendecomposition of its K (:meth:`fastls.RidgePath.from_kernel`, on
+    :meth:`~fastls.RidgePath.from_statistics`'s grid: the criterion of
+    :class:`GroupGCV`), and alpha comes from the same eigenpairs.
 
     Parameters
     ----------
-    gamma : float
+    gamma : float or "auto"
     expand : ndarray of shape (k, m) or None
         The label code the clients' UZ holds coordinates in (uploads of
         ``coordinates``): W = (F^T alpha) expand.
@@ -310,7 +314,7 @@ class DualSolve(LayerSolver):
         Largest block of F cast to float64 at once.
     """
 
-    def __init__(self, gamma: float, expand: np.ndarray | None, n_groups: int,
+    def __init__(self, gamma: float | str, expand: np.ndarray | None, n_groups: int,
                  block_bytes: int = DUAL_BLOCK_BYTES) -> None:
         super().__init__(None, n_groups)
         self.gamma, self.expand, self.block_bytes = gamma, expand, int(block_bytes)
@@ -318,10 +322,18 @@ class DualSolve(LayerSolver):
     def _solve_group(self, k, rows, selection):
         F, UZ = rows.F, rows.UZ
         K = dual_gram(F, self.block_bytes)
-        alpha = fastls.ridge_solve(K, np.asarray(UZ, dtype=np.float64), self.gamma, overwrite_g=True,
-                                   overwrite_c=True)
-        del K
         n, d = F.shape
+        if self.gamma == "auto":
+            grid = fastls.DEFAULT_GRID * (float(np.trace(K)) / d if np.trace(K) > 0 else 1.0)
+            path = fastls.RidgePath.from_kernel(K, UZ, d, rhs_basis=self.expand, overwrite_k=True)
+            gamma, grid, scores = path.select("gcv", shifts=grid)
+            selection[str(k) if self.n_groups > 1 else "all"] = {
+                "gamma": gamma, "criterion": "gcv", "grid": grid.tolist(), "scores": scores.tolist()}
+            alpha = path.dual_coefficients(gamma)
+        else:
+            alpha = fastls.ridge_solve(K, np.asarray(UZ, dtype=np.float64), self.gamma, overwrite_g=True,
+                                       overwrite_c=True)
+        del K
         W = np.empty((d, alpha.shape[1]))
         for columns in _column_blocks(n, d, 8, self.block_bytes):
             W[columns] = fastls.matmul(np.asarray(F[:, columns], dtype=np.float64).T, alpha, check_finite=False)
@@ -393,15 +405,18 @@ def choose_solver(gamma: float | str, gamma_scope: str, n_groups: int, basis: np
     ``keep_total``: the round may withhold groups (secure sums with several
     groups), which are then solved on the total of the others. ``form``:
     ``"dual"`` solves from the factored uploads (:class:`DualSolve`, whose
-    ``expand`` is the label code of coordinate uploads); it takes a fixed
-    gamma only.
+    ``expand`` is the label code of coordinate uploads), group by group: a
+    gamma by GCV pooled over several groups (``gamma_scope="all"``) is
+    refused.
     """
     if form == "dual":
-        if gamma == "auto":
+        if gamma == "auto" and gamma_scope == "all" and n_groups > 1:
             raise ValueError(f"layer {position + 1} is solved in the dual (its Gram does not fit the server, or "
-                             f"server_solve='dual'), and gamma='auto' chooses gamma by GCV on the Gram: give the "
-                             f"layer a fixed gamma (--gamma, or --gamma-output for the output layer), or raise "
-                             f"--server-memory so that its Gram fits, or --server-solve primal")
+                             f"server_solve='dual'), group by group over each group's rows, and gamma='auto' with "
+                             f"gamma_scope='all' chooses one gamma by GCV over all {n_groups} groups' rows together: "
+                             f"use gamma_scope='group' (--gamma-scope group), a fixed gamma (--gamma, or "
+                             f"--gamma-output for the output layer), a larger --server-memory so that the Gram "
+                             f"fits, or --server-solve primal")
         if keep_total:
             raise ValueError(f"layer {position + 1}: a dual solve cannot solve a withheld group on the others' sums")
         return DualSolve(gamma, expand, n_groups)

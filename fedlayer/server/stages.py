@@ -318,7 +318,8 @@ def train_layer(run: ProtocolRun, state: ServerState, position: int) -> None:
                            keep_total=run.secure is not None and n_groups > 1, form=form,
                            expand=basis if coordinates else None, position=position)
     layer = _LayerRound(position, log, solver, basis, coordinates)
-    request = {cid: StatsRequest(position, state.batch[cid], position, target_moments=gamma == "auto",
+    # The dual's GCV needs no target moments: the rows carry them.
+    request = {cid: StatsRequest(position, state.batch[cid], position, target_moments=gamma == "auto" and form != "dual",
                                  coordinates=layer.coordinates).kwargs() for cid in run.transport.client_ids}
     group_args = [(k, {cid: request[cid] for cid in run.transport.client_ids if state.group_of[cid] == k})
                   for k in range(n_groups)]

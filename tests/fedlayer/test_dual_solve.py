@@ -174,10 +174,50 @@ def test_the_cost_rule_takes_the_primal_wherever_the_gram_fits():
         solve_form("auto", 2, 100, 200, 4, memory_bytes=100 * 100 * 8 - 1)
 
 
-def test_gcv_with_the_dual_is_refused_naming_the_alternatives():
-    with pytest.raises(ValueError, match=r"layer 2 is solved in the dual .* gamma='auto' chooses gamma by GCV .*"
-                                         r"--gamma-output .* --server-memory .* --server-solve primal"):
-        choose_solver("auto", "all", 1, None, form="dual", position=1)
+def test_gcv_pooled_over_groups_with_the_dual_is_refused_naming_the_alternatives():
+    with pytest.raises(ValueError, match=r"layer 2 is solved in the dual .* gamma_scope='all' chooses one gamma by GCV "
+                                         r"over all 3 groups' rows together: use gamma_scope='group' .* --gamma-output "
+                                         r".* --server-memory .* --server-solve primal"):
+        choose_solver("auto", "all", 3, None, form="dual", position=1)
+    assert isinstance(choose_solver("auto", "all", 1, None, form="dual"), DualSolve)
+    assert isinstance(choose_solver("auto", "group", 3, None, form="dual"), DualSolve)
+
+
+@pytest.mark.parametrize("n, expand", [(30, False), (8, False), (8, True)], ids=["tall", "wide", "wide-coordinates"])
+def test_gcv_from_the_kernel_chooses_the_gamma_of_gcv_from_the_gram(rng, n, expand):
+    d = 20
+    X, Y = rng.standard_normal((n, d)), rng.standard_normal((n, 3))
+    Q = rng.standard_normal((3, 11)) if expand else None
+    Z = Y @ Q if expand else Y
+    U = haar_orthogonal(n)
+    selection = {}
+    W = DualSolve("auto", Q, 1).add(0, FactoredRows(U @ X, U @ Y), selection)
+    path = fastls.RidgePath.from_statistics(X.T @ X, X.T @ Z, float(np.sum(Z * Z)), n, rhs_basis=Q)
+    gamma, grid, scores = path.select("gcv")
+    chosen = selection["all"]
+    assert_close(chosen["grid"], grid, np.float64, rtol=1e-12)
+    # From statistics the RSS is tr(Z^T Z) minus the fit, accurate to about d eps tr(Z^T Z): compare where that
+    # is far below the RSS (the kernel's, from the rows' projections, is accurate everywhere).
+    accurate = path.residual_ss(grid) > 1e-6 * np.sum(Z * Z)
+    assert accurate.sum() >= 5
+    assert_close(np.array(chosen["scores"])[accurate], scores[accurate], np.float64, rtol=1e-8)
+    gamma_chosen = chosen["gamma"]
+    if n > d:
+        assert gamma_chosen == pytest.approx(gamma, rel=1e-6)
+        reference = fastls.ridge_solve(X.T @ X, X.T @ Z, gamma_chosen)
+    else:  # GCV may pick a shift near interpolation, where only the n x n form is accurate
+        reference = X.T @ np.linalg.solve(X @ X.T + gamma_chosen * np.eye(n), Z)
+    assert relative(W, reference) <= 1e-10
+
+
+def test_a_kernel_path_gives_dual_coefficients_not_w(rng):
+    X, Z = rng.standard_normal((6, 9)), rng.standard_normal((6, 2))
+    path = fastls.RidgePath.from_kernel(X @ X.T, Z, 9)
+    assert relative(X.T @ path.dual_coefficients(0.5), fastls.ridge_solve(X.T @ X, X.T @ Z, 0.5)) <= 1e-10
+    with pytest.raises(ValueError, match="holds no X to form W: W = X\\^T dual_coefficients"):
+        path.solve(0.5)
+    with pytest.raises(ValueError, match="dual coefficients belong to a path from a kernel"):
+        fastls.RidgePath.from_rows(X, Z).dual_coefficients(0.5)
 
 
 # -- whole runs --------------------------------------------------------------------------------------------
@@ -196,6 +236,21 @@ def _dnn_case(rng, dtype, n=36, n_clients=4):
     x = (rng.standard_normal((N_CLASSES, 12))[y] * 2 + rng.standard_normal((n, 12))).astype(dtype)
     parts = np.array_split(rng.permutation(n), n_clients)
     return model, x, y, parts
+
+
+@pytest.mark.parametrize("variant", [FEDACNNL, PFEDACNNL], ids=["fedacnnl", "pfedacnnl"])
+def test_gcv_per_group_in_the_dual_chooses_the_primal_s_gammas(rng, variant):
+    # Rows well above the widest layer's 33 inputs: GCV from the Gram is accurate only away from interpolation.
+    model, x, y, parts = _dnn_case(rng, np.float64, n=160)
+    options = dict(gamma="auto", gamma_scope="group")
+    primal = _run(model, x, y, parts, variant, server_solve="primal", **options)
+    dual = _run(model, x, y, parts, variant, server_solve="dual", **options)
+    for r_dual, r_primal in zip(dual["rounds"], primal["rounds"]):
+        for key, chosen in r_primal.get("selection", {}).items():
+            assert r_dual["selection"][key]["gamma"] == pytest.approx(chosen["gamma"], rel=1e-6)
+    for k, layers in primal["group_weights"].items():
+        for W_dual, W_primal in zip(dual["group_weights"][k], layers):
+            assert relative(W_dual, W_primal) <= 1e-6
 
 
 @pytest.mark.parametrize("variant", [FEDACNNL, PFEDACNNL], ids=["fedacnnl", "pfedacnnl"])
