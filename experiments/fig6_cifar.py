@@ -201,6 +201,20 @@ def layer_work(model, n_train, methods=None):
     return work
 
 
+def factored_upload_flops(model, position, samples):
+    """Flops of the clients' factored uploads of layer ``position`` (a round the server solved in the dual).
+
+    Each client multiplies its n x n rotation into its n x d rows (2 n^2 d)
+    instead of forming its Gram, and draws the rotation by a QR of an
+    n x n Gaussian matrix (4/3 n^3); ``samples``: the clients' training samples.
+    """
+    index = model.trainable[position]
+    layer, shape = model.layers[index], model.input_shape_of(index)
+    d = layer.ls_shape(shape)[0]
+    rows = [float(n * layer.rows_per_sample(shape)) for n in samples]
+    return sum(2.0 * n * n * d + 4.0 / 3.0 * n ** 3 for n in rows)
+
+
 def dual_ids(record, model, position, dataset, basis):
     """Ids (keys of ``record["clients"]``) of the clients that solved this personalization round in the dual.
 
@@ -380,6 +394,10 @@ def report(args):
             parts = [c.get("parts", {}) for c in record["clients"].values()]
             forward, stats, solve = (sum(p.get(k, 0.0) for p in parts) for k in ("forward_s", "stats_s", "solve_s"))
             floor_flops, timed = sum(work[position]), forward + stats
+            if record.get("solve", {}).get("form") == "dual":
+                # The server solved this layer over the clients' rows: their floor is the factored upload's.
+                samples = [dataset.clients[int(cid)].n_train for cid in record["clients"]]
+                floor_flops = work[position][0] + factored_upload_flops(model, position, samples)
             if record["stage"] == "personalization":
                 ids = dual_ids(record, model, position, dataset, bases[position])
                 if ids:

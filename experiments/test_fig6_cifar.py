@@ -10,7 +10,7 @@ from fedlayer.client import personalization_costs, target_bases
 from fedlayer.data import ClientData, FederatedDataset
 from fedlayer.models import build_model
 from fedlayer.run import run
-from fig6_cifar import config_for, dual_ids
+from fig6_cifar import config_for, dual_ids, factored_upload_flops
 
 
 def test_dual_clients_follow_the_recorded_form_else_the_clients_cost_rule():
@@ -54,3 +54,10 @@ def test_same_padding_runs_its_classifier_through_the_dual_at_a_server_memory_it
     assert forms == ["primal"] * 4 + ["dual"]
     for W_dual, W_primal in zip(dual["group_weights"][0], primal["group_weights"][0]):
         assert np.linalg.norm(W_dual - W_primal) <= 1e-5 * np.linalg.norm(W_primal)
+
+
+def test_the_floor_of_a_factored_upload_is_the_rotation_times_the_rows():
+    model = build_model("dcnn", (32, 32, 3), 10, width=1 / 64, padding="same")
+    classifier = len(model.trainable) - 1  # one row per image, 8 * 8 * 32 + 1 inputs
+    assert factored_upload_flops(model, classifier, [3, 5]) == sum(2.0 * n * n * 2049 + 4.0 / 3.0 * n ** 3
+                                                                  for n in (3, 5))

@@ -37,8 +37,13 @@ from ..options import SERVER_SOLVES
 __all__ = ["DualSolve", "FactoredRows", "FixedGamma", "GroupGCV", "LayerSolver", "PooledGCV", "RowStack",
            "SummedStatistics", "choose_solver", "dual_gram", "gcv_choice", "solve_form"]
 
-#: Largest float64 block of the stacked rows the dual solve casts or copies at once.
-DUAL_BLOCK_BYTES = fastls.tuning.DEFAULT_SCRATCH_BYTES
+#: Largest block of the stacked rows the dual solve copies (or casts to float64) at once: at 45,000 rows,
+#: 5,965 float32 columns, so that K = F F^T, whose every update reads and writes all of K in float64, takes
+#: few passes over it.
+DUAL_BLOCK_BYTES = 2**30
+#: Columns of F that K = F F^T sums in float32 before adding to float64 K (fastls.gram_update's
+#: ``block_rows``, as the clients' Grams sum rows); a larger block is a whole multiple of it.
+DUAL_BLOCK_FEATURES = 4096
 
 
 @dataclass
@@ -189,10 +194,11 @@ class FactoredRows:
 class RowStack:
     """The rows of one group's factored uploads, appended client by client: in RAM, or memory-mapped.
 
-    F is held transposed, (d, capacity) row-major: each of the dual solve's
-    passes (K = F F^T, W = F^T alpha) reads blocks of F's columns, which
-    are then contiguous runs of the stack (sequential reads of a file that
-    the page cache cannot hold), and a client's rows are written once.
+    F is held row-major, (capacity, d): a client's rows are one contiguous
+    write. The dual solve reads it in blocks of :data:`DUAL_BLOCK_FEATURES`
+    columns or more, runs of at least 16 KiB per row (float32) of a file the
+    page cache need not hold; a stack held transposed would take each
+    client's rows as d scattered pieces smaller than a page instead.
 
     Parameters
     ----------
@@ -210,7 +216,7 @@ class RowStack:
     def __init__(self, capacity: int, memory_bytes: int, folder: str | os.PathLike | None, name: str) -> None:
         self.capacity, self.memory_bytes, self.name = int(capacity), int(memory_bytes), name
         self.folder = None if folder is None else Path(folder)
-        self.FT = self.UZ = None
+        self.F = self.UZ = None
         self.path = self._temporary = None
         self.rows = 0
 
@@ -221,26 +227,26 @@ class RowStack:
 
     def append(self, F: np.ndarray, UZ: np.ndarray) -> None:
         """Add one client's F (n, d) and UZ (n, k) below the rows already stacked."""
-        if self.FT is None:
+        if self.F is None:
             self._allocate(F.shape[1], F.dtype, UZ.shape[1], UZ.dtype)
         n = len(F)
-        if F.ndim != 2 or F.shape[1] != self.FT.shape[0] or UZ.shape != (n, self.UZ.shape[1]):
+        if F.ndim != 2 or F.shape[1] != self.F.shape[1] or UZ.shape != (n, self.UZ.shape[1]):
             raise ValueError(f"{self.name}: a client's factored upload has F {F.shape} and UZ {UZ.shape}; the "
-                             f"group's have {self.FT.shape[0]} and {self.UZ.shape[1]} columns and one row each per row")
+                             f"group's have {self.F.shape[1]} and {self.UZ.shape[1]} columns and one row each per row")
         if self.rows + n > self.capacity:
             raise ValueError(f"{self.name}: {self.rows + n} rows arrived, more than the {self.capacity} the group's "
                              f"clients announced")
-        self.FT[:, self.rows:self.rows + n] = F.T
+        self.F[self.rows:self.rows + n] = F
         self.UZ[self.rows:self.rows + n] = UZ
         self.rows += n
 
     def stacked(self) -> FactoredRows:
-        """The rows that arrived (views of the stack; F a transposed view)."""
-        return FactoredRows(self.FT[:, :self.rows].T, self.UZ[:self.rows])
+        """The rows that arrived (views of the stack)."""
+        return FactoredRows(self.F[:self.rows], self.UZ[:self.rows])
 
     def close(self) -> None:
         """Release the stack (and remove its file)."""
-        self.FT = self.UZ = None
+        self.F = self.UZ = None
         if self.path is not None:
             self.path.unlink(missing_ok=True)
             self.path = None
@@ -249,17 +255,17 @@ class RowStack:
             self._temporary = None
 
     def _allocate(self, d, dtype, k, rhs_dtype):
-        shape = (d, self.capacity)
+        shape = (self.capacity, d)
         self.UZ = np.empty((self.capacity, k), dtype=rhs_dtype)
         if self.capacity * d * np.dtype(dtype).itemsize <= self.memory_bytes:
-            self.FT = np.empty(shape, dtype=dtype)
+            self.F = np.empty(shape, dtype=dtype)
             return
         folder = self.folder
         if folder is None:
             folder = self._temporary = Path(tempfile.mkdtemp(prefix="fedlayer-rows-"))
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / f"{self.name}.npy"
-        self.FT = np.lib.format.open_memmap(self.path, mode="w+", dtype=dtype, shape=shape)
+        self.F = np.lib.format.open_memmap(self.path, mode="w+", dtype=dtype, shape=shape)
 
 
 def dual_gram(F: np.ndarray, block_bytes: int = DUAL_BLOCK_BYTES) -> np.ndarray:
@@ -267,15 +273,14 @@ def dual_gram(F: np.ndarray, block_bytes: int = DUAL_BLOCK_BYTES) -> np.ndarray:
 
     Each block of columns is copied as a C-ordered (columns, n) array X, and
     :func:`fastls.gram_update` adds X^T X to K (float32 blocks in float32
-    BLAS, accumulated into float64 K).
+    BLAS over its ``block_rows`` of them at a time, accumulated into float64
+    K, as the primal's Gram is).
 
     Parameters
     ----------
     F : ndarray of shape (n, d), float32 or float64, any layout
-        (:meth:`RowStack.stacked`'s is a transposed view: its column blocks
-        are contiguous rows of the stack)
     block_bytes : int
-        Largest block copied at once.
+        Largest block copied at once (at least :data:`DUAL_BLOCK_FEATURES` columns).
 
     Returns
     -------
@@ -284,12 +289,16 @@ def dual_gram(F: np.ndarray, block_bytes: int = DUAL_BLOCK_BYTES) -> np.ndarray:
     n, d = F.shape
     K = np.zeros((n, n))
     for columns in _column_blocks(n, d, F.dtype.itemsize, block_bytes):
-        fastls.gram_update(K, np.ascontiguousarray(F[:, columns].T))
+        fastls.gram_update(K, np.ascontiguousarray(F[:, columns].T), block_rows=DUAL_BLOCK_FEATURES)
     return K
 
 
 def _column_blocks(n, d, itemsize, block_bytes):
+    """Slices of d columns, each of at most ``block_bytes`` for n rows, in whole multiples of
+    DUAL_BLOCK_FEATURES where a block holds more."""
     step = max(1, int(block_bytes) // max(1, n * itemsize))
+    if step >= DUAL_BLOCK_FEATURES:
+        step -= step % DUAL_BLOCK_FEATURES
     return [slice(first, first + step) for first in range(0, d, step)]
 
 

@@ -16,7 +16,8 @@ from fedlayer.run import RunConfig, run
 from fedlayer.secure import SecureServer
 from fedlayer.secure_client import SecureClient
 from fedlayer.server import Variant, run_protocol
-from fedlayer.server.solvers import DualSolve, FactoredRows, RowStack, choose_solver, dual_gram, solve_form
+from fedlayer.server.solvers import (DUAL_BLOCK_FEATURES, DualSolve, FactoredRows, RowStack, _column_blocks, choose_solver,
+                                     dual_gram, solve_form)
 from fedlayer.transport import InProcessTransport
 from tests.fedlayer.cases import N_CLASSES, client_data
 from tests.numeric_checks import assert_close
@@ -149,7 +150,7 @@ def test_a_row_stack_over_its_budget_is_a_file_removed_when_closed(tmp_path, rng
     assert not folder.exists()
 
 
-def test_the_dual_gram_and_solve_read_a_transposed_stack(rng):
+def test_the_dual_gram_and_solve_read_the_stack_in_blocks_of_columns(rng):
     F, UZ = rng.standard_normal((12, 40)).astype(np.float32), rng.standard_normal((12, 3))
     stack = RowStack(15, memory_bytes=10**6, folder=None, name="rows")
     stack.append(F[:5], UZ[:5])
@@ -345,3 +346,10 @@ def test_a_run_s_options_reach_the_server_and_its_layer_shapes(tmp_path):
         for W_dual, W_primal in zip(dual["group_weights"][k], layers):
             assert relative(W_dual, W_primal) <= 1e-10
     assert not (tmp_path / "dual" / "server").exists() or not list((tmp_path / "dual" / "server").iterdir())
+
+
+def test_column_blocks_are_whole_multiples_of_the_float32_sums_where_they_can_be():
+    features = DUAL_BLOCK_FEATURES
+    assert _column_blocks(10, 25, 8, 10 * 8 * 7) == [slice(0, 7), slice(7, 14), slice(14, 21), slice(21, 28)]
+    blocks = _column_blocks(10, 5 * features, 4, 10 * 4 * (2 * features + 5))
+    assert [b.stop - b.start for b in blocks] == [2 * features] * 3
