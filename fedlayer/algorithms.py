@@ -11,8 +11,7 @@ all of them.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -186,8 +185,11 @@ class AnalyticAlgorithm(Algorithm):
     def make_client(self, cid: int, data: ClientData, config: RunConfig, n_classes: int, model_config: dict,
                     cores: int) -> ClientProtocol | BaselineClient:
         """The client of ``cid``; with ``secure``, wrapped to take part in secure sums (here and only here)."""
-        client = Client(cid, data, model_config, config.seed, n_classes, cores,
-                        ClientOptions.from_config(config, centralized=self.centralized))
+        options = ClientOptions.from_config(config, centralized=self.centralized)
+        if self.centralized:
+            # The pooled client's rows are every client's already, and their rotation would be N x N.
+            options = replace(options, rotate_rows=False)
+        client = Client(cid, data, model_config, config.seed, n_classes, cores, options)
         return SecureClient(client) if config.secure else client
 
     def train(self, config: RunConfig, transport: Transport, model: Model, clock: Clock,

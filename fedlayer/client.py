@@ -592,6 +592,9 @@ class Client:
         rows' one-hot coordinates in the layer's label code, as
         :meth:`local_stats` uploads X^T Y's.
 
+        A client with ``options.rotate_rows`` off (the centralized
+        reference's pooled client) sends X and Z as they are.
+
         A client that fails the round (simulated, or past its deadline)
         returns ``{"dropout": why}`` instead of raising: the round goes on
         without its rows.
@@ -636,6 +639,8 @@ class Client:
             Z = one_hot(codes, self.bases[position].shape[0], dtype=np.float64)
         else:
             Z = self._row_targets(position, self.data.y_train)
+        if not self.options.rotate_rows:
+            return {"F": X, "UZ": np.asarray(Z, dtype=self.stat_dtype)}, forward_s
         U = haar_orthogonal(len(X))
         F = np.empty(X.shape, dtype=X.dtype)
         # U X in float64 whatever X's dtype (F rounds once, to X's), a block of columns at a time.

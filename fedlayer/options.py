@@ -230,6 +230,12 @@ class ClientOptions:
         A client busy longer in a round drops out of it.
     h_noise : float >= 0, default=0
         Std of the Gaussian noise the client adds to its label summary h_i (eq. 9).
+    rotate_rows : bool, default=True
+        Hide the rows of a factored upload behind a secret rotation
+        (:meth:`fedlayer.client.Client.factored_rows`). The centralized
+        reference's pooled client does not (:mod:`fedlayer.algorithms`): its
+        rows are pooled already, and the rotation of all of them would be an
+        N x N matrix.
     """
 
     stat_dtype: Any = np.float64
@@ -242,6 +248,7 @@ class ClientOptions:
     drop_probability: float = 0.0
     round_deadline_s: float | None = None
     h_noise: float = 0.0
+    rotate_rows: bool = True
 
     def __post_init__(self):
         _check_choice("conv_targets", self.conv_targets, CONV_TARGETS)

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastls
+from fedlayer.algorithms import ALGORITHMS
 from fedlayer.client import Client, target_bases
 from fedlayer.models import build_model
 from fedlayer.options import BatchPolicy, ClientOptions, ServerOptions
@@ -353,3 +354,21 @@ def test_column_blocks_are_whole_multiples_of_the_float32_sums_where_they_can_be
     assert _column_blocks(10, 25, 8, 10 * 8 * 7) == [slice(0, 7), slice(7, 14), slice(14, 21), slice(21, 28)]
     blocks = _column_blocks(10, 5 * features, 4, 10 * 4 * (2 * features + 5))
     assert [b.stop - b.start for b in blocks] == [2 * features] * 3
+
+
+def test_the_centralized_reference_sends_its_rows_unrotated(rng):
+    model = build_model("dnn", (12,), N_CLASSES, width=0.25)
+    pooled = ALGORITHMS["acnnl"].make_client(0, _client(rng, model, 3).data, RunConfig(algorithm="acnnl"),
+                                             N_CLASSES, model.config(), 1)
+    assert not pooled.options.rotate_rows and ClientOptions.from_config(RunConfig()).rotate_rows
+    client = _client(rng, model, 7, rotate_rows=False)
+    reply = client.factored_rows(2, 4)
+    x = client._layer_inputs("train", client.model.trainable[2])
+    assert_close(reply["F"], client.model.layers[client.model.trainable[2]].ls_rows(np.asarray(x)), np.float64, rtol=0)
+    assert_close(reply["UZ"], np.eye(N_CLASSES)[client.data.y_train], np.float64, rtol=0)
+    outcome = run(RunConfig(algorithm="acnnl", dataset="synthetic", model="dnn", clients=4, seed=2,
+                            train_fraction=0.1, server_solve="dual"))
+    reference = run(RunConfig(algorithm="acnnl", dataset="synthetic", model="dnn", clients=4, seed=2,
+                              train_fraction=0.1))
+    for W_dual, W_primal in zip(outcome["group_weights"][0], reference["group_weights"][0]):
+        assert relative(W_dual, W_primal) <= 1e-10
