@@ -11,7 +11,8 @@ all of them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import dataclasses
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -188,7 +189,7 @@ class AnalyticAlgorithm(Algorithm):
         options = ClientOptions.from_config(config, centralized=self.centralized)
         if self.centralized:
             # The pooled client's rows are every client's already, and their rotation would be N x N.
-            options = replace(options, rotate_rows=False)
+            options = dataclasses.replace(options, rotate_rows=False)
         client = Client(cid, data, model_config, config.seed, n_classes, cores, options)
         return SecureClient(client) if config.secure else client
 

@@ -22,11 +22,14 @@ group whose sum could not be unmasked is solved on the other groups' total
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -184,11 +187,16 @@ class PooledGCV(LayerSolver):
 class FactoredRows:
     """One group's factored uploads of a layer, stacked: F = [U_i X_i] (rows, d) and UZ = [U_i Z_i] (rows, k).
 
-    F^T F and F^T UZ are the group's sums X^T X and X^T Z.
+    F^T F and F^T UZ are the group's sums X^T X and X^T Z. ``release()``,
+    called after each pass over a block of F, drops the block's pages from
+    the process where F is a memory-mapped file (its file and the page
+    cache keep them): the stack's pages then never count as the process's
+    memory.
     """
 
     F: np.ndarray
     UZ: np.ndarray
+    release: Callable[[], None] = lambda: None
 
 
 class RowStack:
@@ -217,7 +225,7 @@ class RowStack:
         self.capacity, self.memory_bytes, self.name = int(capacity), int(memory_bytes), name
         self.folder = None if folder is None else Path(folder)
         self.F = self.UZ = None
-        self.path = self._temporary = None
+        self.path = self._temporary = self._map = None
         self.rows = 0
 
     @property
@@ -239,14 +247,30 @@ class RowStack:
         self.F[self.rows:self.rows + n] = F
         self.UZ[self.rows:self.rows + n] = UZ
         self.rows += n
+        self.release()
 
     def stacked(self) -> FactoredRows:
         """The rows that arrived (views of the stack)."""
-        return FactoredRows(self.F[:self.rows], self.UZ[:self.rows])
+        return FactoredRows(self.F[:self.rows], self.UZ[:self.rows], self.release)
+
+    def release(self) -> None:
+        """Unmap the pages of a memory-mapped stack from this process; the file keeps what was written.
+
+        A shared file mapping's dirty pages stay in the page cache, to be
+        written back: the process's resident memory stops counting them.
+        """
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED)
 
     def close(self) -> None:
         """Release the stack (and remove its file)."""
         self.F = self.UZ = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # views still held (an exception's traceback): the mapping goes with the last of them
+            self._map = None
         if self.path is not None:
             self.path.unlink(missing_ok=True)
             self.path = None
@@ -264,11 +288,31 @@ class RowStack:
         if folder is None:
             folder = self._temporary = Path(tempfile.mkdtemp(prefix="fedlayer-rows-"))
         folder.mkdir(parents=True, exist_ok=True)
-        self.path = folder / f"{self.name}.npy"
-        self.F = np.lib.format.open_memmap(self.path, mode="w+", dtype=dtype, shape=shape)
+        self.path = folder / f"{self.name}.rows"
+        nbytes = self.capacity * d * np.dtype(dtype).itemsize
+        with open(self.path, "w+b") as file:
+            _reserve(file, nbytes, self.path)
+            # A mapping of our own (not np.memmap's), so that release() can unmap its pages.
+            self._map = mmap.mmap(file.fileno(), max(nbytes, 1))
+        self.F = np.ndarray(shape, dtype=dtype, buffer=self._map)
 
 
-def dual_gram(F: np.ndarray, block_bytes: int = DUAL_BLOCK_BYTES) -> np.ndarray:
+def _reserve(file, nbytes, path):
+    """Give the file its ``nbytes`` now, its blocks allocated where the filesystem can: a full disk is then an
+    error here, not a SIGBUS when a write through the mapping finds no block."""
+    file.truncate(max(nbytes, 1))
+    try:
+        os.posix_fallocate(file.fileno(), 0, max(nbytes, 1))
+    except OSError as err:
+        if err.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return
+        raise OSError(err.errno, f"cannot reserve {nbytes / 2**30:.1f} GiB for a group's stacked rows in "
+                                 f"{path.parent} ({os.strerror(err.errno)}); free space there, or raise "
+                                 f"--server-memory so that they stay in RAM", str(path)) from None
+
+
+def dual_gram(F: np.ndarray, block_bytes: int = DUAL_BLOCK_BYTES, release: Callable[[], None] = lambda: None
+              ) -> np.ndarray:
     """K = F F^T (upper triangle, float64) over blocks of F's columns, F in RAM or memory-mapped.
 
     Each block of columns is copied as a C-ordered (columns, n) array X, and
@@ -281,6 +325,8 @@ def dual_gram(F: np.ndarray, block_bytes: int = DUAL_BLOCK_BYTES) -> np.ndarray:
     F : ndarray of shape (n, d), float32 or float64, any layout
     block_bytes : int
         Largest block copied at once (at least :data:`DUAL_BLOCK_FEATURES` columns).
+    release : callable
+        Called after each block (:attr:`FactoredRows.release`).
 
     Returns
     -------
@@ -290,6 +336,7 @@ def dual_gram(F: np.ndarray, block_bytes: int = DUAL_BLOCK_BYTES) -> np.ndarray:
     K = np.zeros((n, n))
     for columns in _column_blocks(n, d, F.dtype.itemsize, block_bytes):
         fastls.gram_update(K, np.ascontiguousarray(F[:, columns].T), block_rows=DUAL_BLOCK_FEATURES)
+        release()
     return K
 
 
@@ -330,7 +377,7 @@ class DualSolve(LayerSolver):
 
     def _solve_group(self, k, rows, selection):
         F, UZ = rows.F, rows.UZ
-        K = dual_gram(F, self.block_bytes)
+        K = dual_gram(F, self.block_bytes, rows.release)
         n, d = F.shape
         if self.gamma == "auto":
             grid = fastls.DEFAULT_GRID * (float(np.trace(K)) / d if np.trace(K) > 0 else 1.0)
@@ -346,6 +393,7 @@ class DualSolve(LayerSolver):
         W = np.empty((d, alpha.shape[1]))
         for columns in _column_blocks(n, d, 8, self.block_bytes):
             W[columns] = fastls.matmul(np.asarray(F[:, columns], dtype=np.float64).T, alpha, check_finite=False)
+            rows.release()
         if self.expand is not None:
             W = fastls.matmul(W, self.expand.astype(np.float64, copy=False), check_finite=False)
         return W

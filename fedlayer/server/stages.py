@@ -10,7 +10,8 @@ off by :class:`Variant`:
    upload X_l^T X_l and X_l^T Z_l, the server sums them per group and solves
    eq. (5)/(11) with the layer's solver (:mod:`fedlayer.server.solvers`),
    clients take their group's weights; batch sizes adapt by eq. (7) unless
-   disabled;
+   disabled. A layer whose Gram does not fit the server (:func:`plan_forms`)
+   is solved in the dual from the clients' rotated rows instead;
 3. :func:`personalize`: each client solves eq. (13) layer by layer.
 
 :func:`run_protocol` runs them. Time is accounted per client and round by
@@ -310,10 +311,10 @@ def train_layer(run: ProtocolRun, state: ServerState, position: int) -> None:
     basis = run.target_bases[position] if run.target_bases else None
     gamma = run.options.gamma_of(position, run.n_layers)
     n_groups = state.n_groups
-    # Secure sums with groups: a group left with too few survivors to unmask is solved on the total of the
-    # other groups' sums (those are unmasked anyway), so that total is kept.
     form, plan = run.forms[position] if run.forms else ("primal", {})
     coordinates = run.options.upload == "coordinates" and basis is not None
+    # Secure sums with groups: a group left with too few survivors to unmask is solved on the total of the
+    # other groups' sums (those are unmasked anyway), so that total is kept.
     solver = choose_solver(gamma, run.options.gamma_scope, n_groups, basis,
                            keep_total=run.secure is not None and n_groups > 1, form=form,
                            expand=basis if coordinates else None, position=position)

@@ -1,6 +1,7 @@
 """Factored uploads (F = U X, U Z behind a secret rotation) and the server's dual solve of wide layers."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -133,12 +134,12 @@ def test_a_row_stack_over_its_budget_is_a_file_removed_when_closed(tmp_path, rng
     F, UZ = rng.standard_normal((6, 5)), rng.standard_normal((6, 2))
     stack.append(F[:4], UZ[:4])
     stack.append(F[4:], UZ[4:])
-    assert stack.mapped and (tmp_path / "rows.npy").exists() and stack.rows == 6
+    assert stack.mapped and (tmp_path / "rows.rows").stat().st_size == 10 * 5 * 8 and stack.rows == 6
     assert_close(stack.stacked().F, F, np.float64, rtol=0)
     with pytest.raises(ValueError, match="rows: 12 rows arrived, more than the 10"):
         stack.append(F, UZ)
     stack.close()
-    assert not (tmp_path / "rows.npy").exists()
+    assert not (tmp_path / "rows.rows").exists()
     in_ram = RowStack(10, memory_bytes=10**6, folder=tmp_path, name="ram")
     in_ram.append(F, UZ)
     assert not in_ram.mapped and not list(tmp_path.iterdir())
@@ -372,3 +373,37 @@ def test_the_centralized_reference_sends_its_rows_unrotated(rng):
                               train_fraction=0.1))
     for W_dual, W_primal in zip(outcome["group_weights"][0], reference["group_weights"][0]):
         assert relative(W_dual, W_primal) <= 1e-10
+
+
+def _resident_kib(path):
+    """Resident KiB of this process's mapping of ``path`` (/proc/self/smaps), 0 when unmapped."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isalnum() and "-" in line.split()[0] and ":" not in line.split()[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps")
+def test_a_mapped_stack_s_pages_leave_the_process_and_its_rows_stay(tmp_path, rng):
+    """release() unmaps the stack's pages after each write and each block: resident memory does not count them."""
+    n, d = 64, 4096  # 1 MiB of float32 rows
+    F, UZ = rng.standard_normal((n, d)).astype(np.float32), rng.standard_normal((n, 2))
+    stack = RowStack(n, memory_bytes=1000, folder=tmp_path, name="rows")
+    for first in range(0, n, 16):
+        stack.append(F[first:first + 16], UZ[first:first + 16])
+    assert _resident_kib(stack.path) == 0
+    rows = stack.stacked()
+    assert_close(rows.F, F, np.float32, rtol=0)  # read back from the file
+    assert _resident_kib(stack.path) == 1024
+    rows.release()
+    assert _resident_kib(stack.path) == 0
+    W = DualSolve(3.0, None, 1, block_bytes=n * 8 * 1000).add(0, rows, {})
+    assert _resident_kib(stack.path) == 0
+    F64 = F.astype(np.float64)
+    assert relative(W, fastls.ridge_solve(F64.T @ F64, F64.T @ UZ, 3.0)) <= 1e-5
+    del rows
+    stack.close()
+    assert not list(tmp_path.iterdir())
