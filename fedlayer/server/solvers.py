@@ -183,6 +183,10 @@ class PooledGCV(LayerSolver):
         return solved
 
 
+def _rows_in_ram() -> None:
+    """The ``release`` of rows held in RAM: nothing to unmap."""
+
+
 @dataclass
 class FactoredRows:
     """One group's factored uploads of a layer, stacked: F = [U_i X_i] (rows, d) and UZ = [U_i Z_i] (rows, k).
@@ -196,7 +200,7 @@ class FactoredRows:
 
     F: np.ndarray
     UZ: np.ndarray
-    release: Callable[[], None] = lambda: None
+    release: Callable[[], None] = _rows_in_ram
 
 
 class RowStack:
@@ -311,7 +315,7 @@ def _reserve(file, nbytes, path):
                                  f"--server-memory so that they stay in RAM", str(path)) from None
 
 
-def dual_gram(F: np.ndarray, block_bytes: int = DUAL_BLOCK_BYTES, release: Callable[[], None] = lambda: None
+def dual_gram(F: np.ndarray, block_bytes: int = DUAL_BLOCK_BYTES, release: Callable[[], None] = _rows_in_ram
               ) -> np.ndarray:
     """K = F F^T (upper triangle, float64) over blocks of F's columns, F in RAM or memory-mapped.
 
