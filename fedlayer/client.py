@@ -593,7 +593,9 @@ class Client:
         :meth:`local_stats` uploads X^T Y's.
 
         A client with ``options.rotate_rows`` off (the centralized
-        reference's pooled client) sends X and Z as they are.
+        reference's pooled client) sends X and Z as they are. The rows come
+        from the cached layer inputs whatever ``options.forward`` says: all
+        of them are factored at once, so there is no batch to forward.
 
         A client that fails the round (simulated, or past its deadline)
         returns ``{"dropout": why}`` instead of raising: the round goes on
