@@ -1,7 +1,13 @@
 """Fig. 6: CIFAR-10 with the paper's DCNN for FedACnnL, -WA, pFedACnnL, -WC and -WP.
 
     python experiments/fig6_cifar.py [--width 1.0] [--algorithms ...] [--runs docs/results/fig6_runs] [--out docs/results]
-        [--conv-targets position|image] [--name fig6]
+        [--conv-targets position|image] [--name fig6] [--padding valid|same] [--server-memory GIB]
+
+The paper's model ('same' padding) at full width, its classifier solved in
+the dual (a 137 GB Gram otherwise; docs/design.md, "Wide layers")::
+
+    python experiments/fig6_cifar.py --padding same --server-memory 18 --runs docs/results/fig6_same_runs \
+        --work results/fig6-same --name fig6_same
 
 Each algorithm runs in a process of its own (its peak memory is its own),
 100 clients, Dirichlet beta = 0.1, gamma = 100, eps = 2500, K = 10, every
@@ -52,6 +58,7 @@ from dev_layout import REPOSITORY, use_shared_data
 from fedlayer.checkpoint import load_checkpoint
 from fedlayer.client import personalization_costs, target_bases
 from fedlayer.models import DCNN_PADDINGS, Conv2d, build_model
+from fedlayer.options import SERVER_SOLVES
 from fedlayer.run import RunConfig, load_dataset, run
 from fedlayer.timing import time_summary
 
@@ -85,9 +92,10 @@ def config_for(algorithm, args, output=None, shared=None):
         extra["eval_every"] = N_LAYERS
     if shared is not None:
         extra.update(checkpoint=shared["checkpoint"], resume=True)
+    # How the server solves each layer changes no weight beyond rounding: not part of the fingerprint below.
     return RunConfig(algorithm=algorithm, dataset="cifar10", model="dcnn", width=args.width, padding=args.padding,
                      dtype="float32", seed=args.seed, cores=[2], output=output, conv_targets=args.conv_targets,
-                     **extra)
+                     server_solve=args.server_solve, server_memory=args.server_memory, **extra)
 
 
 def shared_checkpoint(algorithm, args):
@@ -147,7 +155,7 @@ def run_one(algorithm, args):
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "gemm_float32_flops_per_s": rate,
         "forward_methods": forward_methods(build_model("dcnn", dataset.feature_shape, dataset.n_classes,
-                                                      width=args.width)),
+                                                      width=args.width, padding=args.padding)),
         "width": args.width,
         "machine": f"{platform.machine()}, {fastls.available_cores()} cores",
         "command": " ".join(["python", "experiments/fig6_cifar.py", *sys.argv[1:]]),
@@ -191,6 +199,20 @@ def layer_work(model, n_train, methods=None):
         shape = model.input_shape_of(index)
         work.append((forward, model.layers[index].gram_flops(shape, n_train)))
     return work
+
+
+def factored_upload_flops(model, position, samples):
+    """Flops of the clients' factored uploads of layer ``position`` (a round the server solved in the dual).
+
+    Each client multiplies its n x n rotation into its n x d rows (2 n^2 d)
+    instead of forming its Gram, and draws the rotation by a QR of an
+    n x n Gaussian matrix (4/3 n^3); ``samples``: the clients' training samples.
+    """
+    index = model.trainable[position]
+    layer, shape = model.layers[index], model.input_shape_of(index)
+    d = layer.ls_shape(shape)[0]
+    rows = [float(n * layer.rows_per_sample(shape)) for n in samples]
+    return sum(2.0 * n * n * d + 4.0 / 3.0 * n ** 3 for n in rows)
 
 
 def dual_ids(record, model, position, dataset, basis):
@@ -274,7 +296,9 @@ def report(args):
         "# Fig. 6: CIFAR-10, DCNN",
         "",
         f"Command: `python experiments/fig6_cifar.py --width {args.width} --seed {args.seed} --conv-targets "
-        f"{args.conv_targets}{'' if args.padding == 'valid' else ' --padding ' + args.padding}` on "
+        f"{args.conv_targets}{'' if args.padding == 'valid' else ' --padding ' + args.padding}"
+        f"{'' if args.server_memory is None else f' --server-memory {args.server_memory:g}'}"
+        f"{'' if args.server_solve == 'auto' else ' --server-solve ' + args.server_solve}` on "
         f"{any_run['machine']}; 100 clients, Dirichlet beta = 0.1, gamma = 100, eps = 2500, "
         f"K = 10, every client 2 cores, float32 data with float64 statistics, convolutions' label codes "
         f"{'per output position' if args.conv_targets == 'position' else 'per image'}. "
@@ -370,6 +394,10 @@ def report(args):
             parts = [c.get("parts", {}) for c in record["clients"].values()]
             forward, stats, solve = (sum(p.get(k, 0.0) for p in parts) for k in ("forward_s", "stats_s", "solve_s"))
             floor_flops, timed = sum(work[position]), forward + stats
+            if record.get("solve", {}).get("form") == "dual":
+                # The server solved this layer over the clients' rows: their floor is the factored upload's.
+                samples = [dataset.clients[int(cid)].n_train for cid in record["clients"]]
+                floor_flops = work[position][0] + factored_upload_flops(model, position, samples)
             if record["stage"] == "personalization":
                 ids = dual_ids(record, model, position, dataset, bases[position])
                 if ids:
@@ -444,7 +472,13 @@ def main():
     parser.add_argument("--conv-targets", choices=["position", "image"], default="position",
                         help="label codes of the convolutions (fedlayer run --conv-targets)")
     parser.add_argument("--padding", choices=DCNN_PADDINGS, default="valid",
-                        help="the DCNN's convolutions ('same' at full width needs a 137 GB classifier Gram)")
+                        help="the DCNN's convolutions ('same' at full width: a 137 GB classifier Gram, so the server "
+                             "solves that layer in the dual; give FedACnnL --server-memory 18 for its 45,000 x "
+                             "45,000 system)")
+    parser.add_argument("--server-memory", type=float, default=None,
+                        help="GiB the server's solve of a layer may hold (fedlayer run --server-memory)")
+    parser.add_argument("--server-solve", choices=SERVER_SOLVES, default="auto",
+                        help="how the server solves each layer (fedlayer run --server-solve)")
     parser.add_argument("--name", default="fig6", help="the report's file names: NAME.md, NAME_accuracy.png")
     parser.add_argument("--padding-json", default=str(REPOSITORY / "docs" / "results" / "fig6_padding.json"),
                         help="experiments/fig6_padding.py's rows, quoted by the report")
@@ -472,7 +506,8 @@ def main():
                 continue
             child = [sys.executable, __file__, "--one", algorithm, "--width", str(args.width), "--seed",
                      str(args.seed), "--runs", args.runs, "--work", args.work, "--out", args.out,
-                     "--conv-targets", args.conv_targets, "--padding", args.padding]
+                     "--conv-targets", args.conv_targets, "--padding", args.padding, "--server-solve",
+                     args.server_solve, *(["--server-memory", str(args.server_memory)] if args.server_memory else [])]
             subprocess.run(child, check=True)
     return report(args)
 

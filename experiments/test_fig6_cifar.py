@@ -1,12 +1,16 @@
-"""Fig. 6's report: which clients solved a personalization round in the dual (no data needed)."""
+"""Fig. 6's report and runs: which clients personalized in the dual, and the 'same' DCNN through the server's dual
+solve (no data needed)."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
 
 from fedlayer.client import personalization_costs, target_bases
+from fedlayer.data import ClientData, FederatedDataset
 from fedlayer.models import build_model
-from fig6_cifar import dual_ids
+from fedlayer.run import run
+from fig6_cifar import config_for, dual_ids, factored_upload_flops
 
 
 def test_dual_clients_follow_the_recorded_form_else_the_clients_cost_rule():
@@ -26,3 +30,34 @@ def test_dual_clients_follow_the_recorded_form_else_the_clients_cost_rule():
     assert dual_ids(unrecorded, model, position, dataset, bases[position]) == ["0"]
     recorded = {"clients": {"0": {"form": "primal"}, "1": {"form": "dual"}, "2": {}}}
     assert dual_ids(recorded, model, position, dataset, bases[position]) == ["1"]
+
+
+def _fake_cifar(rng, n_clients=3, n_train=10, n_test=4):
+    def client():
+        return ClientData(x_train=rng.random((n_train, 32, 32, 3), dtype=np.float32),
+                          y_train=rng.integers(0, 10, n_train), x_test=rng.random((n_test, 32, 32, 3), dtype=np.float32),
+                          y_test=rng.integers(0, 10, n_test))
+    return FederatedDataset("cifar10", 10, (32, 32, 3), [client() for _ in range(n_clients)])
+
+
+def test_same_padding_runs_its_classifier_through_the_dual_at_a_server_memory_it_exceeds(tmp_path):
+    """At width 1/64 the 'same' classifier's Gram is 2,049^2 (34 MB): with 1 MiB for the server it is solved in
+    the dual, the convolutions in the primal, and the weights are the primal run's."""
+    dataset = _fake_cifar(np.random.default_rng(0))
+    args = SimpleNamespace(width=1 / 64, padding="same", seed=0, conv_targets="position", server_solve="auto",
+                           server_memory=2.0 ** -10)
+    config = dataclasses.replace(config_for("fedacnnl", args, output=str(tmp_path / "dual")), clients=3)
+    assert (config.server_solve, config.server_memory, config.padding) == ("auto", 2.0 ** -10, "same")
+    dual = run(config, dataset=dataset)
+    primal = run(dataclasses.replace(config, server_solve="primal", output=None), dataset=dataset)
+    forms = [r.get("solve", {"form": "primal"})["form"] for r in dual["rounds"].values()]
+    assert forms == ["primal"] * 4 + ["dual"]
+    for W_dual, W_primal in zip(dual["group_weights"][0], primal["group_weights"][0]):
+        assert np.linalg.norm(W_dual - W_primal) <= 1e-5 * np.linalg.norm(W_primal)
+
+
+def test_the_floor_of_a_factored_upload_is_the_rotation_times_the_rows():
+    model = build_model("dcnn", (32, 32, 3), 10, width=1 / 64, padding="same")
+    classifier = len(model.trainable) - 1  # one row per image, 8 * 8 * 32 + 1 inputs
+    assert factored_upload_flops(model, classifier, [3, 5]) == sum(2.0 * n * n * 2049 + 4.0 / 3.0 * n ** 3
+                                                                  for n in (3, 5))

@@ -65,14 +65,18 @@ class RidgePath:
 
     def __init__(self, eigenvalues: np.ndarray, V: np.ndarray, B: np.ndarray, residual_ss: float, n: int,
                  center: np.ndarray | None, basis: np.ndarray | None, U: np.ndarray | None = None,
-                 UtR: np.ndarray | None = None, R: np.ndarray | None = None, Z: np.ndarray | None = None) -> None:
-        """From a factorization; build it with :meth:`from_statistics` or :meth:`from_rows`.
+                 UtR: np.ndarray | None = None, R: np.ndarray | None = None, Z: np.ndarray | None = None,
+                 features: int | None = None) -> None:
+        """From a factorization; build it with :meth:`from_statistics`, :meth:`from_rows` or :meth:`from_kernel`.
 
         G = V diag(eigenvalues) V^T, B = V^T C, ``residual_ss`` = tr(R^T R);
-        from rows also X = U diag(s) V^T with U^T R and R itself (Z: the targets).
+        from rows also X = U diag(s) V^T with U^T R and R itself (Z: the
+        targets); from a kernel V is None. ``features``: d, when the
+        eigenvalues are fewer (the default grid's scale is trace(G) / d).
         """
         self.eigenvalues = eigenvalues
         self.n = n
+        self._features = features
         self._V, self._B = V, B
         self._rss0 = residual_ss
         self._center, self._basis = center, basis
@@ -210,6 +214,80 @@ class RidgePath:
                    float(_row_norms(R, None if basis is None else basis @ basis.T).sum()),
                    X.shape[0], M, basis, U=U, UtR=UtR, R=R, Z=Z64)
 
+    @classmethod
+    def from_kernel(cls, K: np.ndarray, Z: np.ndarray, n_features: int, *, rhs_basis: np.ndarray | None = None,
+                    overwrite_k: bool = False) -> RidgePath:
+        """The path from the rows' kernel K = X X^T and their targets: the dual of :meth:`from_statistics`.
+
+        One eigendecomposition of the n x n kernel instead of the d x d Gram,
+        for rows fewer than features: K = U diag(lambda) U^T gives X's left
+        singular vectors and squared singular values, so GCV and leave-one-out
+        are those of :meth:`from_rows` on X. The path holds no X, so
+        :meth:`solve` cannot form W; :meth:`dual_coefficients` gives
+        alpha(a) = (K + a I)^-1 R, and W(a) = X^T alpha(a) (times the basis).
+        The criteria are unchanged when X and Z are replaced by U_0 X and
+        U_0 Z for an orthogonal U_0 (rows uploaded behind a rotation).
+
+        Parameters
+        ----------
+        K : ndarray of shape (n, n), float32 or float64
+            X X^T; only its upper triangle is read.
+        Z : ndarray of shape (n, m) or, with ``rhs_basis``, (n, k)
+            Targets, or their coordinates in the basis.
+        n_features : int
+            d, the columns of X: the default grid is scaled by trace(K) / d,
+            as :meth:`from_statistics`'s by trace(G) / d.
+        rhs_basis : ndarray of shape (k, m), optional
+        overwrite_k : bool, default=False
+            Let the eigendecomposition destroy K.
+
+        Returns
+        -------
+        RidgePath
+        """
+        _check_array("K", K, 2)
+        _check_array("Z", Z, 2)
+        n = K.shape[0]
+        if K.shape != (n, n) or Z.shape[0] != n:
+            raise ValueError(f"K must be square (n, n) and Z have its n rows, got K {K.shape} and Z {Z.shape}")
+        if n == 0:
+            raise ValueError("K has no rows: a path needs at least one sample (n >= 1)")
+        n_features = _check_rows(n_features)
+        _check_finite_upper(K)
+        _check_finite("Z", Z)
+        basis = None
+        if rhs_basis is not None:
+            _check_array("rhs_basis", rhs_basis, 2)
+            basis = np.asarray(rhs_basis, dtype=np.float64)
+            if basis.shape[0] != Z.shape[1] or basis.shape[0] >= basis.shape[1]:
+                raise ValueError(f"with rhs_basis of shape {basis.shape}, Z must hold its {basis.shape[0]} "
+                                 f"coordinates per row, got shape {Z.shape}")
+        K64 = np.asarray(K, dtype=np.float64)
+        R = np.asarray(Z, dtype=np.float64)
+        lam, U = scipy.linalg.eigh(K64, lower=False, overwrite_a=overwrite_k and K64 is K and K.flags.writeable,
+                                   check_finite=False, driver="evd")
+        # As _thin_svd: eigenvalues below the kernel's rounding are 0 (their directions stay in U, with the
+        # part of R outside X's row space).
+        top = max(float(lam[-1]), 0.0)
+        lam = np.where(lam > top * n * np.finfo(np.float64).eps, lam, 0.0)
+        UtR = _dot(U.T, R)
+        metric = None if basis is None else basis @ basis.T
+        return cls(lam, None, np.sqrt(lam)[:, None] * UtR, float(_row_norms(R, metric).sum()), n, None, basis,
+                   U=U, UtR=UtR, R=R, Z=R, features=n_features)
+
+    def dual_coefficients(self, shift: float) -> np.ndarray:
+        """alpha(a) = (K + a I)^-1 R of a path from a kernel (:meth:`from_kernel`): W(a) = X^T alpha(a).
+
+        Returns
+        -------
+        alpha : ndarray of shape (n, k), float64 (k: the basis's coordinates, or the targets' columns)
+        """
+        if self._V is not None or self._U is None:
+            raise ValueError("dual coefficients belong to a path from a kernel (RidgePath.from_kernel); "
+                             "this path solves for W itself (solve)")
+        a = float(_shifts([shift])[0])
+        return _dot(self._U, self._UtR / (self.eigenvalues + a)[:, None])
+
     # -- criteria -------------------------------------------------------------
     def residual_ss(self, shifts: ArrayLike) -> np.ndarray:
         """RSS(a) = tr(R^T R) - sum_j ||B_j||^2 (lambda_j + 2 a) / (lambda_j + a)^2, per shift.
@@ -340,7 +418,7 @@ class RidgePath:
 
     def default_grid(self) -> np.ndarray:
         """:data:`DEFAULT_GRID` times the mean eigenvalue (times 1 when G is 0)."""
-        scale = float(self.eigenvalues.sum()) / max(len(self.eigenvalues), 1)
+        scale = float(self.eigenvalues.sum()) / max(self._features or len(self.eigenvalues), 1)
         return DEFAULT_GRID * (scale if scale > 0 else 1.0)
 
     def select(self, criterion: Literal["gcv", "loo", "loo_class"] = "gcv", shifts: ArrayLike | None = None,
@@ -391,6 +469,9 @@ class RidgePath:
         -------
         W : ndarray of shape (d, m), float64, Fortran-ordered
         """
+        if self._V is None:
+            raise ValueError("a path from a kernel (RidgePath.from_kernel) holds no X to form W: "
+                             "W = X^T dual_coefficients(shift)")
         a = float(_shifts([shift])[0])
         W = _dot(self._V, self._B / (self.eigenvalues + a)[:, None])
         if self._center is not None:

@@ -176,6 +176,9 @@ class AnalyticAlgorithm(Algorithm):
         if config.drop_clients and self.centralized:
             raise ValueError(f"drop_clients simulates clients that fail; {self.name!r} has one pooled client, whose "
                              "failure would leave nothing to train on")
+        if config.secure and config.server_solve == "dual":
+            raise ValueError("server_solve='dual' solves from the clients' factored rows, which secure sums cannot "
+                             "carry: run without secure, or with server_solve 'auto' or 'primal'")
         if config.secure and not self.centralized and config.clients < config.min_group_size:
             raise ValueError(f"secure sums need at least min_group_size={config.min_group_size} clients (a sum over "
                              f"fewer reveals too much of each), got clients={config.clients}")
@@ -183,8 +186,11 @@ class AnalyticAlgorithm(Algorithm):
     def make_client(self, cid: int, data: ClientData, config: RunConfig, n_classes: int, model_config: dict,
                     cores: int) -> ClientProtocol | BaselineClient:
         """The client of ``cid``; with ``secure``, wrapped to take part in secure sums (here and only here)."""
-        client = Client(cid, data, model_config, config.seed, n_classes, cores,
-                        ClientOptions.from_config(config, centralized=self.centralized))
+        options = ClientOptions.from_config(config, centralized=self.centralized)
+        if self.centralized:
+            # The pooled client's rows are every client's already, and their rotation would be N x N.
+            options = dataclasses.replace(options, rotate_rows=False)
+        client = Client(cid, data, model_config, config.seed, n_classes, cores, options)
         return SecureClient(client) if config.secure else client
 
     def train(self, config: RunConfig, transport: Transport, model: Model, clock: Clock,
@@ -203,6 +209,7 @@ class AnalyticAlgorithm(Algorithm):
             clock=clock, progress=progress,
             checkpoint=None if checkpoint is None else Checkpointing(checkpoint, config.fingerprint()),
             resume=resume_state,
+            layer_shapes=[model.layers[i].ls_shape(model.input_shape_of(i)) for i in model.trainable],
         )
         group_of = {int(cid): k for cid, k in outcome["groups"].items()}
         group_weights = outcome["group_weights"]
@@ -267,7 +274,7 @@ class BaselineAlgorithm(Algorithm):
     def ignored_options(self, config: RunConfig) -> list[str]:
         """Notes on the options ``config`` sets away from their defaults that this baseline never reads."""
         note = _ignored(config, self.name, ("gamma", "gamma_output", "eps", "eps_criterion", "groups",
-                                            "gamma_scope", "min_group_size"),
+                                            "gamma_scope", "min_group_size", "server_solve", "server_memory"),
                         "the analytic methods (fedacnnl, pfedacnnl and their variants)")
         return [note] if note else []
 

@@ -193,6 +193,12 @@ class _ProgressBar:
         self.bar.update(1)
         self.bar.set_postfix_str(message)
 
+    def within_round(self, done, total):
+        """The clients of the running round done so far (the server calls it as each one delivers)."""
+        if self.bar is None:
+            self.start(None)
+        self.bar.set_postfix_str(f"round {self.bar.n + 1}: {done}/{total} clients done")
+
     def close(self):
         if self.bar is not None:
             self.bar.close()

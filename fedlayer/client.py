@@ -26,6 +26,7 @@ import fastls
 from .data import ClientData, one_hot
 from .models import Model
 from .options import CLIENT_SCRATCH_BYTES, CONV_TARGETS, EPS_CRITERIA, FORWARD_MODES, ClientOptions
+from .rotation import haar_orthogonal
 
 __all__ = ["Client", "ClientDropout", "label_encoders", "encoder_widths", "target_bases", "encoder_for_clustering", "init_weights",
            "CLIENT_SCRATCH_BYTES", "CONV_TARGETS", "EPS_CRITERIA", "FORWARD_MODES"]
@@ -543,10 +544,7 @@ class Client:
         """
         if batch_size < 1:
             raise ValueError(f"client {self.client_id}: batch_size must be >= 1, got {batch_size}")
-        if self.drop_probability and np.random.default_rng([self.seed, self.client_id, round_index, 0xD0]).random() \
-                < self.drop_probability:
-            raise ClientDropout(f"client {self.client_id}: simulated failure in layer {position + 1} "
-                                f"(drop probability {self.drop_probability:g})")
+        self._simulated_failure(position, round_index)
         rng = np.random.default_rng([self.seed, self.client_id, round_index])
         start = time.perf_counter()
         with self._resident(), fastls.limit_cores(self.cores):
@@ -555,12 +553,105 @@ class Client:
             if target_moments:
                 upload["zz"], upload["rows"] = self._target_moments(position)
         compute_s = time.perf_counter() - start
+        self._check_deadline(position, compute_s)
+        return {**upload, "n": self.data.n_train, "compute_s": compute_s,
+                "parts": {"forward_s": forward_s, "stats_s": stats_s}}
+
+    def _simulated_failure(self, position, round_index):
+        """Raise ClientDropout when this client's seeded draw fails it in this round."""
+        if self.drop_probability and np.random.default_rng([self.seed, self.client_id, round_index, 0xD0]).random() \
+                < self.drop_probability:
+            raise ClientDropout(f"client {self.client_id}: simulated failure in layer {position + 1} "
+                                f"(drop probability {self.drop_probability:g})")
+
+    def _check_deadline(self, position, compute_s):
         if self.round_deadline_s is not None and compute_s > self.round_deadline_s:
             # Computed, but too late: the server has moved on without it.
             raise ClientDropout(f"client {self.client_id}: busy {compute_s:.3f} s in layer {position + 1}, past the "
                                 f"round deadline of {self.round_deadline_s:g} s")
-        return {**upload, "n": self.data.n_train, "compute_s": compute_s,
-                "parts": {"forward_s": forward_s, "stats_s": stats_s}}
+
+    def train_rows(self) -> dict:
+        """How many least-squares rows each trainable layer has here: what the server's cost rule needs.
+
+        Returns ``{"rows": [n_train x rows per sample of each trainable layer]}``.
+        """
+        return {"rows": [self.data.n_train * self.model.layers[index].rows_per_sample(self.model.input_shape_of(index))
+                         for index in self.model.trainable]}
+
+    def factored_rows(self, position: int, batch_size: int, round_index: int = 0, coordinates: bool = False) -> dict:
+        """One round's upload for the server's dual solve: the rows themselves, behind a secret rotation.
+
+        F = U X (the model's dtype) and UZ = U Z (``stat_dtype``) over all the
+        layer's least-squares rows X (n x d, every batch of eq. (7) together:
+        ``batch_size`` only sets the dropout and deadline rules' round) and
+        their targets Z, with U a fresh n x n Haar-random orthogonal matrix
+        from the client's own secret randomness
+        (:func:`fedlayer.rotation.haar_orthogonal`), never the run's seed.
+        F^T F = X^T X and F^T UZ = X^T Z: the server learns what
+        :meth:`local_stats` would tell it. With ``coordinates`` Z is the
+        rows' one-hot coordinates in the layer's label code, as
+        :meth:`local_stats` uploads X^T Y's.
+
+        A client with ``options.rotate_rows`` off (the centralized
+        reference's pooled client) sends X and Z as they are. The rows come
+        from the cached layer inputs whatever ``options.forward`` says: all
+        of them are factored at once, so there is no batch to forward.
+
+        A client that fails the round (simulated, or past its deadline)
+        returns ``{"dropout": why}`` instead of raising: the round goes on
+        without its rows.
+
+        Returns
+        -------
+        dict with "F" (n, d), "UZ" (n, k), "rows" n, "n" (samples),
+        "compute_s" and "parts"; or "dropout" (str) and "compute_s".
+        """
+        if batch_size < 1:
+            raise ValueError(f"client {self.client_id}: batch_size must be >= 1, got {batch_size}")
+        start = time.perf_counter()
+        try:
+            self._simulated_failure(position, round_index)
+            with self._resident(), fastls.limit_cores(self.cores):
+                upload, forward_s = self._rotated_rows(position, bool(coordinates))
+            compute_s = time.perf_counter() - start
+            self._check_deadline(position, compute_s)
+        except ClientDropout as why:
+            return {"dropout": str(why), "compute_s": time.perf_counter() - start}
+        return {**upload, "rows": len(upload["F"]), "n": self.data.n_train, "compute_s": compute_s,
+                "parts": {"forward_s": forward_s, "stats_s": compute_s - forward_s}}
+
+    def _rotated_rows(self, position, coordinates):
+        """({"F": U X, "UZ": U Z}, seconds of the forward pass) of layer ``position``'s rows."""
+        layer_index = self.model.trainable[position]
+        layer = self.model.layers[layer_index]
+        input_shape = self.model.input_shape_of(layer_index)
+        n_out = layer.ls_shape(input_shape)[1]
+        if coordinates and self.bases[position] is None:
+            raise ValueError(f"client {self.client_id}: layer {position + 1} has no label code narrower than its "
+                             f"{n_out} outputs, so Y has no coordinates to upload; ask for Z")
+        start = time.perf_counter()
+        x = self._layer_inputs("train", layer_index)
+        forward_s = time.perf_counter() - start
+        X = layer.ls_rows(np.asarray(x))
+        if coordinates:
+            rows_per_sample = layer.rows_per_sample(input_shape)
+            labels = np.repeat(self.data.y_train, rows_per_sample)
+            codes = labels if self._position_shape(position) is None else \
+                labels + np.tile(np.arange(rows_per_sample) * self.n_classes, self.data.n_train)
+            Z = one_hot(codes, self.bases[position].shape[0], dtype=np.float64)
+        else:
+            Z = self._row_targets(position, self.data.y_train)
+        if not self.options.rotate_rows:
+            return {"F": X, "UZ": np.asarray(Z, dtype=self.stat_dtype)}, forward_s
+        U = haar_orthogonal(len(X))
+        F = np.empty(X.shape, dtype=X.dtype)
+        # U X in float64 whatever X's dtype (F rounds once, to X's), a block of columns at a time.
+        step = max(1, self.scratch_bytes // (8 * max(len(X), 1)))
+        for first in range(0, X.shape[1], step):
+            columns = slice(first, first + step)
+            F[:, columns] = fastls.matmul(U, X[:, columns].astype(np.float64), check_finite=False)
+        UZ = fastls.matmul(U, np.asarray(Z, dtype=np.float64), check_finite=False).astype(self.stat_dtype, copy=False)
+        return {"F": F, "UZ": UZ}, forward_s
 
     def set_weights(self, position: int, weights: np.ndarray) -> dict:
         """Replace layer ``position`` by the (group's) trained weights."""

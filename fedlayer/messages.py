@@ -22,13 +22,15 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, runtime_checkable
 
-__all__ = ["ClientMethod", "ClientProtocol", "Dropout", "EvaluateReply", "PersonalizeReply", "PersonalizeRequest",
+__all__ = ["ClientMethod", "ClientProtocol", "Dropout", "EvaluateReply", "FACTORED", "PersonalizeReply", "PersonalizeRequest",
            "StatsReceipt", "StatsRequest", "UPLOADED", "UPPER"]
 
 #: What a client's statistics reply sends up to be summed (the rest of it is local timing).
 UPLOADED = ("G", "C", "zz", "rows")
 #: The summed entries that are upper-triangular (the clients never fill G's lower triangle).
 UPPER = ("G",)
+#: What a client's factored upload (:meth:`fedlayer.client.Client.factored_rows`) sends up to be stacked.
+FACTORED = ("F", "UZ")
 
 
 class ClientMethod(enum.StrEnum):
@@ -36,6 +38,8 @@ class ClientMethod(enum.StrEnum):
 
     LABEL_SUMMARY = "label_summary"
     LOCAL_STATS = "local_stats"
+    TRAIN_ROWS = "train_rows"
+    FACTORED_ROWS = "factored_rows"
     SET_WEIGHTS = "set_weights"
     PERSONALIZE = "personalize"
     EVALUATE = "evaluate"
@@ -61,6 +65,10 @@ class ClientProtocol(Protocol):
 
     def local_stats(self, position: int, batch_size: int, round_index: int = 0, target_moments: bool = False,
                     coordinates: bool = False) -> dict: ...
+
+    def train_rows(self) -> dict: ...
+
+    def factored_rows(self, position: int, batch_size: int, round_index: int = 0, coordinates: bool = False) -> dict: ...
 
     def set_weights(self, position: int, weights: Any) -> dict: ...
 

@@ -10,6 +10,7 @@ is the config field, the line that copies it here, and its consumer.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from .run import RunConfig
 
 __all__ = ["BatchPolicy", "ClientOptions", "ServerOptions", "CLIENT_SCRATCH_BYTES", "CONV_TARGETS", "EPS_CRITERIA",
-           "FORWARD_MODES", "GAMMA_SCOPES", "UPLOAD_MODES"]
+           "FORWARD_MODES", "GAMMA_SCOPES", "SERVER_SOLVES", "UPLOAD_MODES"]
 
 #: A client computes one layer's statistics at a time, so it can afford four times fastls's default chunk
 #: (the measurement is in docs/results/protocol_notes.md).
@@ -39,6 +40,9 @@ FORWARD_MODES = ("cached", "batch")
 UPLOAD_MODES = ("coordinates", "targets")
 #: With gamma="auto" and several groups: one gamma per layer from all groups' sums, or one per group.
 GAMMA_SCOPES = ("all", "group")
+#: How the server solves a layer: the primal wherever its Gram fits the server's memory and the dual
+#: elsewhere ("auto"), or always one form (fedlayer.server.solvers.solve_form).
+SERVER_SOLVES = ("auto", "primal", "dual")
 
 
 def _same_named(cls, config, names=None):
@@ -117,6 +121,19 @@ class ServerOptions:
         Of the server's sums and solves.
     weights_dtype : dtype or None, default=None (``stat_dtype``)
         In which the server keeps each solved layer and sends it.
+    server_solve : {"auto", "primal", "dual"}, default="auto"
+        How each layer is solved (:func:`fedlayer.server.solvers.solve_form`):
+        from the summed Grams (primal), from the clients' factored rows
+        (dual), or the primal wherever its Gram fits ``server_memory`` and
+        the dual elsewhere.
+    server_memory : float or None, default=None
+        GiB of RAM the server's solve of a layer may hold (the Gram, or the
+        dual's N x N system and stacked rows; rows beyond it are
+        memory-mapped under ``scratch_dir``). None: half the machine's
+        physical memory.
+    scratch_dir : path or None
+        Where stacked rows that exceed ``server_memory`` are memory-mapped
+        (a run's output folder); None: the temporary folder.
     """
 
     gamma: float | str = 100.0
@@ -130,12 +147,25 @@ class ServerOptions:
     upload: str = "coordinates"
     stat_dtype: Any = np.float64
     weights_dtype: Any = None
+    server_solve: str = "auto"
+    server_memory: float | None = None
+    scratch_dir: str | Path | None = None
 
     def __post_init__(self):
         if int(self.eval_every) < 1:
             raise ValueError(f"eval_every must be >= 1, got {self.eval_every}")
         _check_choice("upload", self.upload, UPLOAD_MODES)
         _check_choice("gamma_scope", self.gamma_scope, GAMMA_SCOPES)
+        _check_choice("server_solve", self.server_solve, SERVER_SOLVES)
+        if self.server_memory is not None and not self.server_memory > 0:
+            raise ValueError(f"server_memory must be > 0 GiB (or None), got {self.server_memory!r}")
+
+    @property
+    def memory_bytes(self) -> int:
+        """The server's memory budget in bytes (``server_memory``, or half the physical memory)."""
+        if self.server_memory is not None:
+            return int(self.server_memory * 2**30)
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
     @property
     def weights_in(self) -> np.dtype:
@@ -155,8 +185,10 @@ class ServerOptions:
         Every field the config has under the same name is copied: a new
         server option named as its config key needs no line here.
         """
+        # Stacked rows too large for RAM go under the run's output folder (else a temporary one).
+        scratch_dir = Path(config.output) / "server" if config.output else None
         return cls(**_same_named(cls, config), batch=BatchPolicy(config.batch_size, config.max_batch_size),
-                   weights_dtype=weights_dtype)
+                   weights_dtype=weights_dtype, scratch_dir=scratch_dir)
 
 
 #: The client options the centralized reference's pooled client takes from a run's configuration.
@@ -198,6 +230,12 @@ class ClientOptions:
         A client busy longer in a round drops out of it.
     h_noise : float >= 0, default=0
         Std of the Gaussian noise the client adds to its label summary h_i (eq. 9).
+    rotate_rows : bool, default=True
+        Hide the rows of a factored upload behind a secret rotation
+        (:meth:`fedlayer.client.Client.factored_rows`). The centralized
+        reference's pooled client does not (:mod:`fedlayer.algorithms`): its
+        rows are pooled already, and the rotation of all of them would be an
+        N x N matrix.
     """
 
     stat_dtype: Any = np.float64
@@ -210,6 +248,7 @@ class ClientOptions:
     drop_probability: float = 0.0
     round_deadline_s: float | None = None
     h_noise: float = 0.0
+    rotate_rows: bool = True
 
     def __post_init__(self):
         _check_choice("conv_targets", self.conv_targets, CONV_TARGETS)

@@ -29,7 +29,7 @@ import fastls
 
 from ._validation import Boolean, InstanceOf, Interval, ListOf, Options, check_params
 from .algorithms import ALGORITHMS
-from .options import CONV_TARGETS, EPS_CRITERIA, FORWARD_MODES, GAMMA_SCOPES, UPLOAD_MODES
+from .options import CONV_TARGETS, EPS_CRITERIA, FORWARD_MODES, GAMMA_SCOPES, SERVER_SOLVES, UPLOAD_MODES
 from .data import KNOWN_DATASETS, ClientData, FederatedDataset, load_federated
 from .models import DCNN_PADDINGS, KNOWN_MODELS, Model, build_model, check_padding
 from .timing import Clock, time_summary
@@ -84,6 +84,8 @@ CONFIG_CONSTRAINTS = {
     "secure": [Boolean()],
     "min_group_size": [Interval(int, 2, None)],
     "h_noise": [Interval(float, 0, None)],
+    "server_solve": [Options(*SERVER_SOLVES)],
+    "server_memory": [None] + _POSITIVE,
 }
 
 #: The RunConfig keys that define the clients' data and its train/test split.
@@ -136,6 +138,8 @@ class RunConfig:
     secure: bool = False         # analytic methods: statistics summed by pairwise masking (fedlayer.secure)
     min_group_size: int = 3      # with secure: smaller K-means groups merge into the nearest one
     h_noise: float = 0.0         # std of Gaussian noise each client adds to its label summary h_i (eq. 9)
+    server_solve: str = "auto"   # analytic methods: solve from the Grams ("primal"), the factored rows ("dual"), or auto
+    server_memory: float | None = None  # GiB the server's solve of a layer may hold (None: half the physical memory)
 
     def validate(self, where: str = "") -> RunConfig:
         """Check every value against :data:`CONFIG_CONSTRAINTS` and the algorithm's own rules.

@@ -139,7 +139,7 @@ class Transport(ABC):
 
     @abstractmethod
     def sum(self, method: str, args: dict[int, dict], keys: Sequence[str], *, dtype: npt.DTypeLike = np.float64,
-            upper: Sequence[str] = ()) -> Sum:
+            upper: Sequence[str] = (), on_client: Callable[[int], None] | None = None) -> Sum:
         """Run ``client.method(**args[cid])`` for every cid and sum the entries ``keys`` of the results.
 
         Parameters
@@ -154,6 +154,9 @@ class Transport(ABC):
         upper : sequence of str
             Summed entries that are upper-triangular matrices (a transport may
             move only their upper triangle).
+        on_client : callable(cid) or None
+            Called as each client's result (or dropout) reaches the server:
+            how far a long round has come.
 
         Returns
         -------
@@ -161,7 +164,7 @@ class Transport(ABC):
         """
 
     def sum_groups(self, method: str, group_args: Sequence[tuple], keys: Sequence[str], *, dtype: npt.DTypeLike = np.float64,
-                   upper: Sequence[str] = ()) -> Iterator[tuple[Any, Sum]]:
+                   upper: Sequence[str] = (), on_client: Callable[[int], None] | None = None) -> Iterator[tuple[Any, Sum]]:
         """:meth:`sum` for several groups of clients: yields ``(key, Sum)`` per group, in the order given.
 
         ``group_args``: sequence of (key, args) with args as in :meth:`sum`.
@@ -170,7 +173,7 @@ class Transport(ABC):
         a rank's next client runs while its previous partial sum travels).
         """
         for key, args in group_args:
-            yield key, self.sum(method, args, keys, dtype=dtype, upper=upper)
+            yield key, self.sum(method, args, keys, dtype=dtype, upper=upper, on_client=on_client)
 
     def close(self) -> None:
         """Release the clients (and, for MPI, tell the ranks to stop)."""
@@ -230,8 +233,10 @@ class InProcessTransport(Transport):
             yield cid, getattr(client, method)(**kwargs)
 
     def sum(self, method: str, args: dict[int, dict], keys: Sequence[str], *, dtype: npt.DTypeLike = np.float64,
-            upper: Sequence[str] = ()) -> Sum:
-        totals, receipts, up_bytes, dropped = client_side_sum(self._clients, method, args, keys, dtype, upper=upper)
+            upper: Sequence[str] = (), on_client: Callable[[int], None] | None = None) -> Sum:
+        done = None if on_client is None else (lambda cid, *_: on_client(cid))
+        totals, receipts, up_bytes, dropped = client_side_sum(self._clients, method, args, keys, dtype, done=done,
+                                                              upper=upper)
         return Sum(totals, receipts, up_bytes, dropped)
 
     def client(self, cid: int) -> ClientProtocol:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -157,14 +157,15 @@ class MPITransport(Transport):
         self._reap_sends(wait=True)
 
     def sum(self, method: str, args: Mapping[int, dict[str, Any]], keys: Sequence[str], *,
-            dtype: npt.DTypeLike = np.float64, upper: Sequence[str] = ()) -> Sum:
+            dtype: npt.DTypeLike = np.float64, upper: Sequence[str] = (),
+            on_client: Callable[[int], None] | None = None) -> Sum:
         # One group of :meth:`sum_groups`: the same command and messages.
-        (_, outcome), = self.sum_groups(method, [(None, args)], keys, dtype=dtype, upper=upper)
+        (_, outcome), = self.sum_groups(method, [(None, args)], keys, dtype=dtype, upper=upper, on_client=on_client)
         return outcome
 
     def sum_groups(self, method: str, group_args: Iterable[tuple[Any, Mapping[int, dict[str, Any]]]],
                    keys: Sequence[str], *, dtype: npt.DTypeLike = np.float64,
-                   upper: Sequence[str] = ()) -> Iterator[tuple[Any, Sum]]:
+                   upper: Sequence[str] = (), on_client: Callable[[int], None] | None = None) -> Iterator[tuple[Any, Sum]]:
         """As :meth:`Transport.sum_groups`: one command per rank for all the groups, the sums taken a group at a time.
 
         Each rank runs its clients group by group and sends each group's
@@ -193,7 +194,7 @@ class MPITransport(Transport):
         try:
             for index, key in enumerate(order):
                 self.hooks.before_group(seq, index)
-                outcome = self._group_sum(seq, index, key, ranks, pending, group_of, dtype, upper)
+                outcome = self._group_sum(seq, index, key, ranks, pending, group_of, dtype, upper, on_client)
                 taken = index + 1
                 yield key, outcome
         finally:
@@ -204,13 +205,13 @@ class MPITransport(Transport):
                     self._group_sum(seq, index, order[index], ranks, pending, group_of, dtype, upper)
             self._reap_sends(wait=True)
 
-    def _group_sum(self, seq, index, key, ranks, pending, group_of, dtype, upper):
+    def _group_sum(self, seq, index, key, ranks, pending, group_of, dtype, upper, on_client=None):
         """Group ``index``'s Sum of a multi-group command: its receipts and every rank's partial."""
         waiting = {r: {cid for cid in pending[r] if group_of[cid] == index} for r in ranks}
         return self._collect(seq, waiting, dtype, upper, index, "its partial sum" + ("" if key is None else
-                                                                                     f" of group {key}"))
+                                                                                     f" of group {key}"), on_client)
 
-    def _collect(self, seq, waiting, dtype, upper, group, what):
+    def _collect(self, seq, waiting, dtype, upper, group, what, on_client=None):
         """One group's messages: a receipt or dropout per client of ``waiting`` (rank -> cids), then each partial.
 
         Every rank of ``waiting`` is busy until its partial, which comes after its last client.
@@ -244,6 +245,8 @@ class MPITransport(Transport):
             else:
                 outcome.receipts[cid] = header["result"]
                 outcome.up_bytes[cid] = header["nbytes"]
+            if on_client is not None:
+                on_client(cid)
         return outcome
 
     def _unexpected(self, source, header):

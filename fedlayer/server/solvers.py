@@ -10,21 +10,43 @@ picks its decomposition once), and the round never asks again:
 * :class:`PooledGCV`: one gamma minimizes GCV on the sums over all groups,
   each group then solved with it (the groups' sums are held until then).
 
+* :class:`DualSolve`: each group's weights from its clients' factored
+  uploads (F_i = U_i X_i, U_i Z_i) stacked, through the N x N system
+  (F F^T + gamma I) alpha = U Z and W = F^T alpha, for a layer whose d x d
+  Gram does not fit the server (:func:`solve_form` decides).
+
 Secure sums with several groups keep the total over the groups as well: a
 group whose sum could not be unmasked is solved on the other groups' total
-(:meth:`LayerSolver.finish`). A further way of solving a layer (a dual
-solve) is one more subclass.
+(:meth:`LayerSolver.finish`).
 """
 
 from __future__ import annotations
 
+import errno
+import mmap
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 import fastls
 
-__all__ = ["FixedGamma", "GroupGCV", "LayerSolver", "PooledGCV", "SummedStatistics", "choose_solver", "gcv_choice"]
+from ..options import SERVER_SOLVES
+
+__all__ = ["DualSolve", "FactoredRows", "FixedGamma", "GroupGCV", "LayerSolver", "PooledGCV", "RowStack",
+           "SummedStatistics", "choose_solver", "dual_gram", "gcv_choice", "solve_form"]
+
+#: Largest block of the stacked rows the dual solve copies (or casts to float64) at once: at 45,000 rows,
+#: 5,965 float32 columns, so that K = F F^T, whose every update reads and writes all of K in float64, takes
+#: few passes over it.
+DUAL_BLOCK_BYTES = 2**30
+#: Columns of F that K = F F^T sums in float32 before adding to float64 K (fastls.gram_update's
+#: ``block_rows``, as the clients' Grams sum rows); a larger block is a whole multiple of it.
+DUAL_BLOCK_FEATURES = 4096
 
 
 @dataclass
@@ -161,13 +183,304 @@ class PooledGCV(LayerSolver):
         return solved
 
 
+def _rows_in_ram() -> None:
+    """The ``release`` of rows held in RAM: nothing to unmap."""
+
+
+@dataclass
+class FactoredRows:
+    """One group's factored uploads of a layer, stacked: F = [U_i X_i] (rows, d) and UZ = [U_i Z_i] (rows, k).
+
+    F^T F and F^T UZ are the group's sums X^T X and X^T Z. ``release()``,
+    called after each pass over a block of F, drops the block's pages from
+    the process where F is a memory-mapped file (its file and the page
+    cache keep them): the stack's pages then never count as the process's
+    memory.
+    """
+
+    F: np.ndarray
+    UZ: np.ndarray
+    release: Callable[[], None] = _rows_in_ram
+
+
+class RowStack:
+    """The rows of one group's factored uploads, appended client by client: in RAM, or memory-mapped.
+
+    F is held row-major, (capacity, d): a client's rows are one contiguous
+    write. The dual solve reads it in blocks of :data:`DUAL_BLOCK_FEATURES`
+    columns or more, runs of at least 16 KiB per row (float32) of a file the
+    page cache need not hold; a stack held transposed would take each
+    client's rows as d scattered pieces smaller than a page instead.
+
+    Parameters
+    ----------
+    capacity : int
+        Rows the group's clients hold together (an upper bound: a dropout's rows never arrive).
+    memory_bytes : int
+        What the stacked F may take in RAM; a larger one is a ``.npy`` file
+        under ``folder``, removed by :meth:`close`.
+    folder : path or None
+        Where a memory-mapped stack goes (None: a temporary folder, removed with it).
+    name : str
+        The file's name, without extension.
+    """
+
+    def __init__(self, capacity: int, memory_bytes: int, folder: str | os.PathLike | None, name: str) -> None:
+        self.capacity, self.memory_bytes, self.name = int(capacity), int(memory_bytes), name
+        self.folder = None if folder is None else Path(folder)
+        self.F = self.UZ = None
+        self.path = self._temporary = self._map = None
+        self.rows = 0
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the stacked F is a file (it did not fit ``memory_bytes``)."""
+        return self.path is not None
+
+    def append(self, F: np.ndarray, UZ: np.ndarray) -> None:
+        """Add one client's F (n, d) and UZ (n, k) below the rows already stacked."""
+        if self.F is None:
+            self._allocate(F.shape[1], F.dtype, UZ.shape[1], UZ.dtype)
+        n = len(F)
+        if F.ndim != 2 or F.shape[1] != self.F.shape[1] or UZ.shape != (n, self.UZ.shape[1]):
+            raise ValueError(f"{self.name}: a client's factored upload has F {F.shape} and UZ {UZ.shape}; the "
+                             f"group's have {self.F.shape[1]} and {self.UZ.shape[1]} columns and one row each per row")
+        if self.rows + n > self.capacity:
+            raise ValueError(f"{self.name}: {self.rows + n} rows arrived, more than the {self.capacity} the group's "
+                             f"clients announced")
+        self.F[self.rows:self.rows + n] = F
+        self.UZ[self.rows:self.rows + n] = UZ
+        self.rows += n
+        self.release()
+
+    def stacked(self) -> FactoredRows:
+        """The rows that arrived (views of the stack)."""
+        return FactoredRows(self.F[:self.rows], self.UZ[:self.rows], self.release)
+
+    def release(self) -> None:
+        """Unmap the pages of a memory-mapped stack from this process; the file keeps what was written.
+
+        A shared file mapping's dirty pages stay in the page cache, to be
+        written back: the process's resident memory stops counting them.
+        """
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED)
+
+    def close(self) -> None:
+        """Release the stack (and remove its file)."""
+        self.F = self.UZ = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # views still held (an exception's traceback): the mapping goes with the last of them
+            self._map = None
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+            self.path = None
+        if self._temporary is not None:
+            shutil.rmtree(self._temporary, ignore_errors=True)
+            self._temporary = None
+
+    def _allocate(self, d, dtype, k, rhs_dtype):
+        shape = (self.capacity, d)
+        self.UZ = np.empty((self.capacity, k), dtype=rhs_dtype)
+        if self.capacity * d * np.dtype(dtype).itemsize <= self.memory_bytes:
+            self.F = np.empty(shape, dtype=dtype)
+            return
+        folder = self.folder
+        if folder is None:
+            folder = self._temporary = Path(tempfile.mkdtemp(prefix="fedlayer-rows-"))
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"{self.name}.rows"
+        nbytes = self.capacity * d * np.dtype(dtype).itemsize
+        with open(self.path, "w+b") as file:
+            _reserve(file, nbytes, self.path)
+            # A mapping of our own (not np.memmap's), so that release() can unmap its pages.
+            self._map = mmap.mmap(file.fileno(), max(nbytes, 1))
+        self.F = np.ndarray(shape, dtype=dtype, buffer=self._map)
+
+
+def _reserve(file, nbytes, path):
+    """Give the file its ``nbytes`` now, its blocks allocated where the filesystem can: a full disk is then an
+    error here, not a SIGBUS when a write through the mapping finds no block."""
+    file.truncate(max(nbytes, 1))
+    try:
+        os.posix_fallocate(file.fileno(), 0, max(nbytes, 1))
+    except OSError as err:
+        if err.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return
+        raise OSError(err.errno, f"cannot reserve {nbytes / 2**30:.1f} GiB for a group's stacked rows in "
+                                 f"{path.parent} ({os.strerror(err.errno)}); free space there, or raise "
+                                 f"--server-memory so that they stay in RAM", str(path)) from None
+
+
+def dual_gram(F: np.ndarray, block_bytes: int = DUAL_BLOCK_BYTES, release: Callable[[], None] = _rows_in_ram
+              ) -> np.ndarray:
+    """K = F F^T (upper triangle, float64) over blocks of F's columns, F in RAM or memory-mapped.
+
+    Each block of columns is copied as a C-ordered (columns, n) array X, and
+    :func:`fastls.gram_update` adds X^T X to K (float32 blocks in float32
+    BLAS over its ``block_rows`` of them at a time, accumulated into float64
+    K, as the primal's Gram is).
+
+    Parameters
+    ----------
+    F : ndarray of shape (n, d), float32 or float64, any layout
+    block_bytes : int
+        Largest block copied at once (at least :data:`DUAL_BLOCK_FEATURES` columns).
+    release : callable
+        Called after each block (:attr:`FactoredRows.release`).
+
+    Returns
+    -------
+    K : ndarray of shape (n, n), float64, upper triangle filled
+    """
+    n, d = F.shape
+    K = np.zeros((n, n))
+    for columns in _column_blocks(n, d, F.dtype.itemsize, block_bytes):
+        fastls.gram_update(K, np.ascontiguousarray(F[:, columns].T), block_rows=DUAL_BLOCK_FEATURES)
+        release()
+    return K
+
+
+def _column_blocks(n, d, itemsize, block_bytes):
+    """Slices of d columns, each of at most ``block_bytes`` for n rows, in whole multiples of
+    DUAL_BLOCK_FEATURES where a block holds more."""
+    step = max(1, int(block_bytes) // max(1, n * itemsize))
+    if step >= DUAL_BLOCK_FEATURES:
+        step -= step % DUAL_BLOCK_FEATURES
+    return [slice(first, first + step) for first in range(0, d, step)]
+
+
+class DualSolve(LayerSolver):
+    """Each group solved over its own rows: (F F^T + gamma I) alpha = UZ by Cholesky, W = F^T alpha.
+
+    The same minimizer of ||Z - X W||^2 + gamma ||W||^2 as
+    :class:`FixedGamma`, through an N x N system instead of a d x d one.
+    With ``gamma="auto"`` each group's gamma minimizes GCV over the
+    eigendecomposition of its K (:meth:`fastls.RidgePath.from_kernel`, on
+    :meth:`~fastls.RidgePath.from_statistics`'s grid: the criterion of
+    :class:`GroupGCV`), and alpha comes from the same eigenpairs.
+
+    Parameters
+    ----------
+    gamma : float or "auto"
+    expand : ndarray of shape (k, m) or None
+        The label code the clients' UZ holds coordinates in (uploads of
+        ``coordinates``): W = (F^T alpha) expand.
+    n_groups : int
+    block_bytes : int
+        Largest block of F cast to float64 at once.
+    """
+
+    def __init__(self, gamma: float | str, expand: np.ndarray | None, n_groups: int,
+                 block_bytes: int = DUAL_BLOCK_BYTES) -> None:
+        super().__init__(None, n_groups)
+        self.gamma, self.expand, self.block_bytes = gamma, expand, int(block_bytes)
+
+    def _solve_group(self, k, rows, selection):
+        F, UZ = rows.F, rows.UZ
+        K = dual_gram(F, self.block_bytes, rows.release)
+        n, d = F.shape
+        if self.gamma == "auto":
+            grid = fastls.DEFAULT_GRID * (float(np.trace(K)) / d if np.trace(K) > 0 else 1.0)
+            path = fastls.RidgePath.from_kernel(K, UZ, d, rhs_basis=self.expand, overwrite_k=True)
+            gamma, grid, scores = path.select("gcv", shifts=grid)
+            selection[str(k) if self.n_groups > 1 else "all"] = {
+                "gamma": gamma, "criterion": "gcv", "grid": grid.tolist(), "scores": scores.tolist()}
+            alpha = path.dual_coefficients(gamma)
+        else:
+            alpha = fastls.ridge_solve(K, np.asarray(UZ, dtype=np.float64), self.gamma, overwrite_g=True,
+                                       overwrite_c=True)
+        del K
+        W = np.empty((d, alpha.shape[1]))
+        for columns in _column_blocks(n, d, 8, self.block_bytes):
+            W[columns] = fastls.matmul(np.asarray(F[:, columns], dtype=np.float64).T, alpha, check_finite=False)
+            rows.release()
+        if self.expand is not None:
+            W = fastls.matmul(W, self.expand.astype(np.float64, copy=False), check_finite=False)
+        return W
+
+    def _final_gamma(self, withheld, selection):
+        return self.gamma
+
+
+def solve_form(server_solve: str, position: int, d: int, rows: int | None, n_rhs: int, memory_bytes: int,
+               itemsize: int = 8) -> tuple[str, dict]:
+    """How layer ``position`` is solved, and the record of why: the primal (the Gram) or the dual (the rows).
+
+    The rule (``server_solve="auto"``): the primal wherever its d x d Gram
+    fits ``memory_bytes``, so every layer that could be solved before is
+    solved as before; else the dual wherever its N x N system does (N the
+    largest group's rows: groups are solved one at a time); else neither,
+    and ValueError names both sizes. The record holds both forms' bytes and
+    flops (:func:`fastls.proximal_cost`'s counts: the ridge solve is the
+    proximal one without the centre). ``"primal"`` and ``"dual"`` force a form.
+
+    Parameters
+    ----------
+    server_solve : {"auto", "primal", "dual"}
+    position : int
+        The layer (0-based), named in errors.
+    d : int
+        The layer's inputs (bias included).
+    rows : int or None
+        The largest group's least-squares rows; None where not known (then
+        the auto rule can only take the primal).
+    n_rhs : int
+        Right-hand sides of the solve (the label code's coordinates or the outputs).
+    memory_bytes : int
+        What the server's solve may hold in RAM.
+    itemsize : int
+        Bytes of one value of the server's sums.
+
+    Returns
+    -------
+    (form, record) : ("primal" or "dual", dict)
+    """
+    if server_solve not in SERVER_SOLVES:
+        raise ValueError(f"server_solve must be one of {SERVER_SOLVES}, got {server_solve!r}")
+    gram_bytes = d * d * itemsize
+    record = {"gram_bytes": gram_bytes, "memory_bytes": int(memory_bytes)}
+    if rows is not None:
+        record.update(rows=int(rows), dual_bytes=int(rows) * int(rows) * 8,
+                      flops=fastls.proximal_cost(rows, d, n_rhs))
+    if server_solve != "auto":
+        return server_solve, record
+    if gram_bytes <= memory_bytes or rows is None:
+        return "primal", record
+    if record["dual_bytes"] <= memory_bytes:
+        return "dual", record
+    raise ValueError(f"layer {position + 1}: neither its d x d Gram (d = {d}, {gram_bytes / 2**30:.1f} GiB) nor its "
+                     f"dual system over a group's {rows} rows ({record['dual_bytes'] / 2**30:.1f} GiB) fits the "
+                     f"server's memory budget of {memory_bytes / 2**30:.1f} GiB: raise server_memory "
+                     f"(--server-memory), use a narrower model, or fewer rows per group (more groups)")
+
+
 def choose_solver(gamma: float | str, gamma_scope: str, n_groups: int, basis: np.ndarray | None,
-                  keep_total: bool = False) -> LayerSolver:
+                  keep_total: bool = False, form: str = "primal", expand: np.ndarray | None = None,
+                  position: int = 0) -> LayerSolver:
     """The solver of a layer of ``gamma`` (a number or ``"auto"``) with ``n_groups`` groups.
 
     ``keep_total``: the round may withhold groups (secure sums with several
-    groups), which are then solved on the total of the others.
+    groups), which are then solved on the total of the others. ``form``:
+    ``"dual"`` solves from the factored uploads (:class:`DualSolve`, whose
+    ``expand`` is the label code of coordinate uploads), group by group: a
+    gamma by GCV pooled over several groups (``gamma_scope="all"``) is
+    refused.
     """
+    if form == "dual":
+        if gamma == "auto" and gamma_scope == "all" and n_groups > 1:
+            raise ValueError(f"layer {position + 1} is solved in the dual (its Gram does not fit the server, or "
+                             f"server_solve='dual'), group by group over each group's rows, and gamma='auto' with "
+                             f"gamma_scope='all' chooses one gamma by GCV over all {n_groups} groups' rows together: "
+                             f"use gamma_scope='group' (--gamma-scope group), a fixed gamma (--gamma, or "
+                             f"--gamma-output for the output layer), a larger --server-memory so that the Gram "
+                             f"fits, or --server-solve primal")
+        if keep_total:
+            raise ValueError(f"layer {position + 1}: a dual solve cannot solve a withheld group on the others' sums")
+        return DualSolve(gamma, expand, n_groups)
     if gamma != "auto":
         return FixedGamma(gamma, basis, n_groups, keep_total)
     if gamma_scope == "all" and n_groups > 1:

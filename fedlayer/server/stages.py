@@ -10,7 +10,8 @@ off by :class:`Variant`:
    upload X_l^T X_l and X_l^T Z_l, the server sums them per group and solves
    eq. (5)/(11) with the layer's solver (:mod:`fedlayer.server.solvers`),
    clients take their group's weights; batch sizes adapt by eq. (7) unless
-   disabled;
+   disabled. A layer whose Gram does not fit the server (:func:`plan_forms`)
+   is solved in the dual from the clients' rotated rows instead;
 3. :func:`personalize`: each client solves eq. (13) layer by layer.
 
 :func:`run_protocol` runs them. Time is accounted per client and round by
@@ -20,6 +21,7 @@ off by :class:`Variant`:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -30,19 +32,19 @@ import numpy as np
 import fastls
 
 from ..checkpoint import Checkpointing
-from ..messages import (UPLOADED, UPPER, ClientMethod, PersonalizeReply, PersonalizeRequest, StatsReceipt,
-                        StatsRequest)
+from ..messages import (FACTORED, UPLOADED, UPPER, ClientMethod, Dropout, PersonalizeReply, PersonalizeRequest,
+                        StatsReceipt, StatsRequest)
 from ..options import ServerOptions
 from ..secure import SecureAggregationError, SecureServer
 from ..timing import Clock, RoundLog, payload_bytes
 from ..transport import Transport, overall_accuracy
 from .grouping import cluster, merge_small_groups
 from .secure_sums import SecureSums
-from .solvers import LayerSolver, SummedStatistics, choose_solver
+from .solvers import LayerSolver, RowStack, SummedStatistics, choose_solver, solve_form
 from .state import ServerState, shareable
 
 __all__ = ["AllClientsDropped", "ProtocolRun", "VARIANTS", "Variant", "adaptive_batch_sizes", "initialize",
-           "personalize", "run_protocol", "targets_cross", "train_layer"]
+           "personalize", "plan_forms", "run_protocol", "targets_cross", "train_layer"]
 
 
 class AllClientsDropped(RuntimeError):
@@ -122,6 +124,16 @@ class ProtocolRun:
     clock : Clock
     progress : callable(str) or None
     checkpoint : Checkpointing or None
+    layer_shapes : list of (int, int) or None
+        Per layer, its least-squares (inputs, outputs), bias included: what
+        the cost rule of :func:`~fedlayer.server.solvers.solve_form` sizes
+        the Gram by. None: every layer is solved in the primal unless
+        ``options.server_solve`` forces the dual.
+    forms : list of (str, dict) or None
+        Per layer, "primal" or "dual" and the record of the choice
+        (:func:`plan_forms`, after :func:`initialize`).
+    rows : dict cid -> list of int
+        Each client's least-squares rows per layer, where the plan asked for them.
     """
 
     transport: Transport
@@ -135,6 +147,9 @@ class ProtocolRun:
     clock: Clock = field(default_factory=Clock)
     progress: Callable[[str], None] | None = None
     checkpoint: Checkpointing | None = None
+    layer_shapes: Sequence | None = None
+    forms: list | None = None
+    rows: dict = field(default_factory=dict)
 
     @property
     def total_rounds(self) -> int:
@@ -149,6 +164,16 @@ class ProtocolRun:
         if self.progress:
             accuracy = state.rounds[-1]["accuracy"]
             self.progress(f"{what}, {'not evaluated' if accuracy is None else f'accuracy {accuracy:.4f}'}")
+
+    def client_counter(self) -> Callable[[int], None] | None:
+        """A callback for a round's clients as they deliver (a transport's ``on_client``), which tells
+        ``progress`` how many of the round's clients are done, when it can take it (a ``within_round(done,
+        total)`` method): a round of the full-width DCNN takes minutes. None when it cannot."""
+        within = getattr(self.progress, "within_round", None)
+        if within is None:
+            return None
+        done, total = itertools.count(1), len(self.transport.client_ids)
+        return lambda cid: within(next(done), total)
 
     def timed_accuracy(self, log: RoundLog, evaluate: bool = True) -> float | None:
         """Overall test accuracy, its seconds kept in the round's log (evaluation is not training time).
@@ -216,6 +241,53 @@ def _send_weights(run, state, position, weights, log=None):
             log.sent(cid, weights[state.group_of[cid]].nbytes + 8)  # the weights and the next batch size
 
 
+# -- how each layer is solved ---------------------------------------------------------------------------
+def plan_forms(run: ProtocolRun, state: ServerState) -> list[tuple[str, dict]]:
+    """Per layer, whether the server solves it from the Grams (primal) or the factored rows (dual), and why.
+
+    The clients' row counts are asked for (:meth:`fedlayer.client.Client.train_rows`)
+    only where the rule needs them: a forced dual, or a Gram larger than
+    the server's memory. A secure run whose layer needs the dual is refused
+    here, before any layer is trained: secure sums carry sums, not rows.
+    """
+    options, n_layers = run.options, run.n_layers
+    memory = options.memory_bytes
+    itemsize = np.dtype(options.stat_dtype).itemsize
+    shapes = run.layer_shapes
+    wide = shapes is not None and any(d * d * itemsize > memory for d, _ in shapes)
+    if options.server_solve == "dual" or (options.server_solve == "auto" and wide):
+        args = {cid: {} for cid in run.transport.client_ids}
+        run.rows = {cid: list(result["rows"]) for cid, result in run.transport.call(ClientMethod.TRAIN_ROWS, args)}
+    forms = []
+    for position in range(n_layers):
+        d, n_out = shapes[position] if shapes is not None else (0, 0)
+        basis = run.target_bases[position] if run.target_bases else None
+        group_rows = _group_rows(run, state, position)
+        form, record = solve_form(options.server_solve, position, d, max(group_rows.values()) if group_rows else None,
+                                  n_out if basis is None else basis.shape[0], memory, itemsize)
+        if form == "dual" and run.secure is not None:
+            raise ValueError(
+                f"layer {position + 1} (d = {d}) must be solved in the dual: its Gram takes "
+                f"{record['gram_bytes']:,} bytes ({record['gram_bytes'] / 2**30:.1f} GiB) against the server's "
+                f"{memory / 2**30:.1f} GiB, and secure sums cannot carry the clients' factored rows. Run without "
+                f"--secure, raise --server-memory so the Gram fits, or use a narrower model (--width)"
+                if options.server_solve == "auto" else
+                f"layer {position + 1} (d = {d}, a Gram of {record['gram_bytes']:,} bytes): --server-solve dual "
+                f"uploads the clients' factored rows, which secure sums cannot carry. Run without --secure, or "
+                f"with --server-solve auto or primal")
+        forms.append((form, record))
+    return forms
+
+
+def _group_rows(run, state, position):
+    """group -> least-squares rows of layer ``position`` its clients hold together (empty when not asked for)."""
+    totals = {}
+    for cid, rows in run.rows.items():
+        k = state.group_of[cid]
+        totals[k] = totals.get(k, 0) + rows[position]
+    return totals
+
+
 # -- federated optimization -----------------------------------------------------------------------------
 @dataclass
 class _LayerRound:
@@ -229,6 +301,7 @@ class _LayerRound:
     weights: dict = field(default_factory=dict)       # group -> the layer's weights
     withheld: dict = field(default_factory=dict)      # group -> why its secure sum was not unmasked
     contributors: dict = field(default_factory=dict)  # group -> the components of its unmasked secure sum
+    solve: dict | None = None                         # a dual round's form and the cost rule's record
 
 
 def train_layer(run: ProtocolRun, state: ServerState, position: int) -> None:
@@ -238,31 +311,44 @@ def train_layer(run: ProtocolRun, state: ServerState, position: int) -> None:
     basis = run.target_bases[position] if run.target_bases else None
     gamma = run.options.gamma_of(position, run.n_layers)
     n_groups = state.n_groups
+    form, plan = run.forms[position] if run.forms else ("primal", {})
+    coordinates = run.options.upload == "coordinates" and basis is not None
     # Secure sums with groups: a group left with too few survivors to unmask is solved on the total of the
     # other groups' sums (those are unmasked anyway), so that total is kept.
     solver = choose_solver(gamma, run.options.gamma_scope, n_groups, basis,
-                           keep_total=run.secure is not None and n_groups > 1)
-    layer = _LayerRound(position, log, solver, basis, run.options.upload == "coordinates" and basis is not None)
-    request = {cid: StatsRequest(position, state.batch[cid], position, target_moments=gamma == "auto",
+                           keep_total=run.secure is not None and n_groups > 1, form=form,
+                           expand=basis if coordinates else None, position=position)
+    layer = _LayerRound(position, log, solver, basis, coordinates)
+    # The dual's GCV needs no target moments: the rows carry them.
+    request = {cid: StatsRequest(position, state.batch[cid], position, target_moments=gamma == "auto" and form != "dual",
                                  coordinates=layer.coordinates).kwargs() for cid in run.transport.client_ids}
     group_args = [(k, {cid: request[cid] for cid in run.transport.client_ids if state.group_of[cid] == k})
                   for k in range(n_groups)]
-    # One group at a time: the server holds one group's sums and one client's statistics (docs/design.md).
-    with contextlib.closing(_group_sums(run, group_args)) as sums:
-        for k, outcome, why_withheld in sums:
-            _take_group(run, state, layer, k, outcome, why_withheld)
+    on_client = run.client_counter()
+    if form == "dual":
+        layer.solve = {"form": form, **plan}
+        for k, args in group_args:
+            _take_rows(run, state, layer, k, args, on_client)
+    else:
+        # One group at a time: the server holds one group's sums and one client's statistics (docs/design.md).
+        with contextlib.closing(_group_sums(run, group_args, on_client)) as sums:
+            for k, outcome, why_withheld in sums:
+                _take_group(run, state, layer, k, outcome, why_withheld)
     _finish_layer(run, state, layer)
     _end_round(run, state, layer)
 
 
-def _group_sums(run, group_args):
-    """(group, Sum, why it was withheld or None) per group; the transport's sums, or the secure protocol's."""
+def _group_sums(run, group_args, on_client=None):
+    """(group, Sum, why it was withheld or None) per group; the transport's sums, or the secure protocol's.
+
+    ``on_client(cid)`` as each client's statistics arrive (not in secure sums, whose steps each visit every client).
+    """
     if run.secure is not None:
         for k, args in group_args:
             yield (k, *run.secure.group_sum(run.transport, k, args, run.options.stat_dtype))
         return
     stream = run.transport.sum_groups(ClientMethod.LOCAL_STATS, group_args, UPLOADED, dtype=run.options.stat_dtype,
-                                      upper=UPPER)
+                                      upper=UPPER, on_client=on_client)
     try:
         for k, outcome in stream:
             yield k, outcome, None
@@ -307,6 +393,40 @@ def _take_group(run, state, layer, k, outcome, why_withheld):
     log.server_s += time.perf_counter() - start
 
 
+def _take_rows(run, state, layer, k, args, on_client=None):
+    """Stack group ``k``'s factored uploads client by client and solve the group over its rows (a dual round)."""
+    log, position = layer.log, layer.position
+    capacity = sum(run.rows[cid][position] for cid in args)
+    # The stacked rows take what the budget leaves beside the group's N x N system.
+    stack = RowStack(capacity, run.options.memory_bytes - capacity * capacity * 8, run.options.scratch_dir,
+                     f"rows_layer{position + 1}_group{k}")
+    dropped = {}
+    try:
+        for cid, result in run.transport.call(ClientMethod.FACTORED_ROWS, args):
+            if on_client is not None:
+                on_client(cid)
+            if "dropout" in result:
+                dropped[cid] = Dropout(result["dropout"], "ClientDropout", str(ClientMethod.FACTORED_ROWS))
+                continue
+            stats = StatsReceipt.from_result({key: value for key, value in result.items() if key not in FACTORED})
+            stack.append(result["F"], result["UZ"])
+            log.arrived(cid, stats.compute_s, payload_bytes({key: result[key] for key in FACTORED}),
+                        parts=stats.parts)
+            del result
+        log.dropped.update({cid: str(why) for cid, why in dropped.items()})
+        if stack.rows == 0:
+            if dropped:
+                _all_dropped(k, position, dropped)
+            return
+        layer.solve.setdefault("mapped", {})[str(k)] = stack.mapped
+        start = time.perf_counter()
+        W = layer.solver.add(k, stack.stacked(), log.selection)
+        layer.weights[k] = state.install(k, W, run.options.weights_in)
+        log.server_s += time.perf_counter() - start
+    finally:
+        stack.close()
+
+
 def _all_dropped(k, position, dropped):
     """Raise AllClientsDropped for group ``k``, naming one client per kind of failure (a simulated one, a secure
     step, ...): the last survivors of a secure sum drop for another reason than the clients before them."""
@@ -345,6 +465,8 @@ def _end_round(run, state, layer):
     if layer.contributors:
         # Anyone can check the differencing rule from the run's record (docs/design.md, "Secure sums").
         record["contributors"] = {str(k): parts for k, parts in sorted(layer.contributors.items())}
+    if layer.solve is not None:
+        record["solve"] = layer.solve
     state.rounds.append(record)
     state.layers_done = layer.position + 1
     if run.checkpoint is not None:
@@ -365,7 +487,7 @@ def personalize(run: ProtocolRun, state: ServerState) -> None:
         args = {cid: PersonalizeRequest(position, run.options.eps, run.max_batch[cid],
                                         private=run.secure is not None).kwargs() for cid in run.transport.client_ids}
         # A sum of nothing: the transport's per-client receipts and dropouts.
-        outcome = run.transport.sum(ClientMethod.PERSONALIZE, args, keys=())
+        outcome = run.transport.sum(ClientMethod.PERSONALIZE, args, keys=(), on_client=run.client_counter())
         log.dropped.update({cid: str(why) for cid, why in outcome.dropped.items()})
         for cid, result in outcome.receipts.items():
             reply = PersonalizeReply.from_result(result)
@@ -381,7 +503,7 @@ def personalize(run: ProtocolRun, state: ServerState) -> None:
 def run_protocol(transport: Transport, n_layers: int, variant: Variant, options: ServerOptions | None = None, *,
                  target_bases: Sequence | None = None, secure: SecureServer | None = None, clock: Clock = Clock(),
                  progress: Callable[[str], None] | None = None, checkpoint: Checkpointing | None = None,
-                 resume: ServerState | None = None) -> dict:
+                 resume: ServerState | None = None, layer_shapes: Sequence | None = None) -> dict:
     """Run one algorithm over ``transport``'s clients; returns the results record.
 
     Parameters
@@ -409,6 +531,10 @@ def run_protocol(transport: Transport, n_layers: int, variant: Variant, options:
     resume : ServerState or None
         A checkpoint's state (:meth:`ServerState.from_checkpoint`): finished
         layers are sent to the clients again instead of being trained.
+    layer_shapes : list of (int, int) or None
+        Per layer, its least-squares (inputs, outputs): with it, a layer whose
+        Gram does not fit ``options.server_memory`` is solved in the dual
+        (:func:`plan_forms`); without it, only ``server_solve="dual"`` does.
 
     Returns
     -------
@@ -419,8 +545,9 @@ def run_protocol(transport: Transport, n_layers: int, variant: Variant, options:
     options = ServerOptions() if options is None else options
     first_batch, max_batch = options.batch.sizes(transport.client_ids)
     run = ProtocolRun(transport, n_layers, variant, options, first_batch, max_batch, target_bases,
-                      None if secure is None else SecureSums(secure), clock, progress, checkpoint)
+                      None if secure is None else SecureSums(secure), clock, progress, checkpoint, layer_shapes)
     state = initialize(run, resume)
+    run.forms = plan_forms(run, state)
     for position in range(state.layers_done, n_layers):
         train_layer(run, state, position)
     if variant.personalize:

@@ -99,6 +99,10 @@ def exit_status(argv):
         (["--algorithm", "fedavg", "--hyper", "lr=nan"], "hyperparameter lr must be a finite number > 0, got nan"),
         (["--algorithm", "acnnl", "--secure"], "'acnnl' pools every client's data in one"),
         (["--algorithm", "acnnl", "--drop-clients", "0.1"], "'acnnl' has one pooled client"),
+        (["--server-solve", "both"], "argument --server-solve: invalid choice: 'both'"),
+        (["--server-memory", "0"], "argument --server-memory: must be"),
+        (["--algorithm", "fedacnnl", "--secure", "--server-solve", "dual"],
+         "server_solve='dual' solves from the clients' factored rows, which secure sums cannot carry"),
     ],
 )
 def test_bad_input_is_a_clear_error(argv, message, capsys):

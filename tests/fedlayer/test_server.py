@@ -142,3 +142,44 @@ def test_a_checkpoint_written_before_the_server_stages_resumes(tmp_path):
                 np.testing.assert_array_equal(resumed["group_weights"][k][i], W)
                 assert_close(W, before[f"w_{k}_{i}"], np.float64, rtol=1e-12)
     assert [r["stage"] for r in resumed["rounds"]] == ["initialization", "federated", "federated", "federated"]
+
+
+class _Progress:
+    """A progress display that takes the clients done within a round."""
+
+    def __init__(self):
+        self.events = []
+
+    def __call__(self, message):
+        self.events.append(("round", message))
+
+    def within_round(self, done, total):
+        self.events.append((done, total))
+
+
+@pytest.mark.parametrize("server_solve", ["primal", "dual"])
+def test_the_progress_display_counts_the_clients_done_within_each_round(server_solve):
+    clients = _fixture_clients()
+    progress = _Progress()
+    run_protocol(InProcessTransport(clients), 3, Variant(cluster=True, personalize=True),
+                 ServerOptions(groups=2, batch=BatchPolicy(7), server_solve=server_solve), progress=progress)
+    rounds, within = [], []
+    for event in progress.events:
+        if event[0] == "round":
+            rounds.append(within)
+            within = []
+        else:
+            within.append(event)
+    # Every round (3 federated, 3 personalization): clients 1..4 of 4, across the groups, then the round.
+    assert len(rounds) == 6 and all(counts == [(i, 4) for i in range(1, 5)] for counts in rounds)
+
+
+def test_the_progress_bar_shows_the_round_s_clients(capsys):
+    from fedlayer.cli import _ProgressBar
+
+    bar = _ProgressBar("test")
+    bar.start(3)
+    bar("layer 1/3 trained, accuracy 0.5000")
+    bar.within_round(7, 10)
+    assert bar.bar.postfix == "round 2: 7/10 clients done"
+    bar.close()

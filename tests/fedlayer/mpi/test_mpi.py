@@ -64,6 +64,35 @@ def _models(out):
     return models
 
 
+def test_factored_uploads_travel_to_rank_0_and_give_the_in_process_weights(tmp_path):
+    """--server-solve dual under mpiexec: each client's F and UZ reach rank 0 in 4 KiB chunks, rank 0 stacks
+    them per group, and the weights are the in-process run's (each run's secret rotations differ: to rounding)."""
+    # A tenth of the samples for training: the dual's systems are as large as a group's rows.
+    flags = ["--algorithm", "pfedacnnl", "--clients", "6", "--groups", "2", "--model", "dnn", "--seed", "0",
+             "--train-fraction", "0.1", "--server-solve", "dual", "--drop-clients", "0.2"]
+    reference = tmp_path / "inproc"
+    proc = subprocess.run([sys.executable, "-m", "fedlayer", "run", *flags, "--quiet", "--output", str(reference)],
+                          capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 0, proc.stderr
+    distributed = tmp_path / "mpi"
+    proc = mpirun([*flags, "--output", str(distributed)], FEDLAYER_MPI_CHUNK_BYTES=4096)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected, actual = _models(reference), _models(distributed)
+    assert expected and sorted(expected) == sorted(actual)
+    for name in expected:
+        for W, V in zip(expected[name], actual[name], strict=True):
+            assert np.linalg.norm(V - W) <= 1e-10 * np.linalg.norm(W)
+    ref = json.loads((reference / "results.json").read_text())
+    got = json.loads((distributed / "results.json").read_text())
+    assert got["groups"] == ref["groups"]
+    for key, record in ref["rounds"].items():
+        assert got["rounds"][key].get("dropped") == record.get("dropped"), key
+        assert got["rounds"][key]["bytes_up"] == record["bytes_up"], key
+        if record["stage"] == "federated":
+            assert got["rounds"][key]["solve"]["form"] == record["solve"]["form"] == "dual"
+    assert any(record.get("dropped") for record in ref["rounds"].values())
+
+
 @pytest.mark.parametrize("algorithm,extra_env,flags", [
     ("fedacnnl", {}, []),
     # full G instead of its packed upper triangle (the default), and 4 KiB chunks: the same numbers must come out
