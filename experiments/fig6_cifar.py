@@ -1,6 +1,7 @@
 """Fig. 6: CIFAR-10 with the paper's DCNN for FedACnnL, -WA, pFedACnnL, -WC and -WP.
 
-    python experiments/fig6_cifar.py [--width 1.0] [--algorithms ...] [--runs docs/results/fig6_runs] [--out docs/results]
+    python experiments/fig6_cifar.py [--width 1.0] [--algorithms ...] [--runs docs/results/fig6_runs]
+        [--out docs/results]
         [--conv-targets position|image] [--name fig6] [--padding valid|same] [--server-memory GIB]
 
 The paper's model ('same' padding) at full width, its classifier solved in

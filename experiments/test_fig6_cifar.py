@@ -35,7 +35,8 @@ def test_dual_clients_follow_the_recorded_form_else_the_clients_cost_rule():
 def _fake_cifar(rng, n_clients=3, n_train=10, n_test=4):
     def client():
         return ClientData(x_train=rng.random((n_train, 32, 32, 3), dtype=np.float32),
-                          y_train=rng.integers(0, 10, n_train), x_test=rng.random((n_test, 32, 32, 3), dtype=np.float32),
+                          y_train=rng.integers(0, 10, n_train),
+                          x_test=rng.random((n_test, 32, 32, 3), dtype=np.float32),
                           y_test=rng.integers(0, 10, n_test))
     return FederatedDataset("cifar10", 10, (32, 32, 3), [client() for _ in range(n_clients)])
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import numpy as np
 
@@ -28,7 +29,7 @@ from .messages import ClientMethod, ClientProtocol
 from .options import ClientOptions, ServerOptions
 from .secure import SecureServer
 from .secure_client import SecureClient
-from .server import VARIANTS, ServerState, Variant, run_protocol
+from .server import VARIANTS, ModelLayers, ServerState, Variant, run_protocol
 
 if TYPE_CHECKING:
     from .data import ClientData
@@ -160,7 +161,8 @@ class AnalyticAlgorithm(Algorithm):
         if not self.variant.cluster:
             notes.append(_ignored(config, self.name, ("groups", "gamma_scope", "h_noise"),
                                   "the grouping algorithms (pfedacnnl, pfedacnnl-wp)"))
-        notes.append(_ignored(config, self.name, ("engine", "checkpoint_every"), f"the baselines ({', '.join(BASELINES)})"))
+        notes.append(_ignored(config, self.name, ("engine", "checkpoint_every"),
+                              f"the baselines ({', '.join(BASELINES)})"))
         return [note for note in notes if note]
 
     def check_config(self, config: RunConfig) -> None:
@@ -204,12 +206,12 @@ class AnalyticAlgorithm(Algorithm):
         announce_rounds(progress, n_layers - layers_done + (n_layers if self.variant.personalize else 0))
         outcome = run_protocol(
             transport, n_layers, self.variant, ServerOptions.from_config(config, weights_dtype=model.dtype),
-            target_bases=target_bases(model, config.seed, config.conv_targets),
+            layers=ModelLayers(target_bases(model, config.seed, config.conv_targets),
+                               [model.layers[i].ls_shape(model.input_shape_of(i)) for i in model.trainable]),
             secure=SecureServer(config.seed, min_group_size=config.min_group_size) if config.secure else None,
             clock=clock, progress=progress,
             checkpoint=None if checkpoint is None else Checkpointing(checkpoint, config.fingerprint()),
             resume=resume_state,
-            layer_shapes=[model.layers[i].ls_shape(model.input_shape_of(i)) for i in model.trainable],
         )
         group_of = {int(cid): k for cid, k in outcome["groups"].items()}
         group_weights = outcome["group_weights"]

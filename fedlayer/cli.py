@@ -124,7 +124,8 @@ def _summary(results):
         layer = "" if record["layer"] is None else record["layer"] + 1
         lines.append(
             f"{key:>5} {record['stage']:<16} {layer:>5} {acc:>9} "
-            f"{max((c['compute_s'] for c in clients), default=0):>14.4f} {max((c['idle_s'] for c in clients), default=0):>11.4f}"
+            f"{max((c['compute_s'] for c in clients), default=0):>14.4f} "
+            f"{max((c['idle_s'] for c in clients), default=0):>11.4f}"
         )
     layers = {r["layer"] for r in results["rounds"].values() if r["stage"] == "federated"}
     if len(layers) > 1:

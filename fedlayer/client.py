@@ -17,7 +17,7 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -28,8 +28,8 @@ from .models import Model
 from .options import CLIENT_SCRATCH_BYTES, CONV_TARGETS, EPS_CRITERIA, FORWARD_MODES, ClientOptions
 from .rotation import haar_orthogonal
 
-__all__ = ["Client", "ClientDropout", "label_encoders", "encoder_widths", "target_bases", "encoder_for_clustering", "init_weights",
-           "CLIENT_SCRATCH_BYTES", "CONV_TARGETS", "EPS_CRITERIA", "FORWARD_MODES"]
+__all__ = ["Client", "ClientDropout", "label_encoders", "encoder_widths", "target_bases", "encoder_for_clustering",
+           "init_weights", "CLIENT_SCRATCH_BYTES", "CONV_TARGETS", "EPS_CRITERIA", "FORWARD_MODES"]
 
 #: The widest activation of one forward step: half a 32 MiB last-level cache, so that a memory-bound
 #: convolution runs its activation and pooling in cache (docs/results/protocol_notes.md).
@@ -791,6 +791,7 @@ class Client:
         """
         with self._resident():
             if self.personal_choices:
-                metadata = {**metadata, "personalization": {str(p): c for p, c in sorted(self.personal_choices.items())}}
+                choices = {str(p): c for p, c in sorted(self.personal_choices.items())}
+                metadata = {**metadata, "personalization": choices}
             self.model.save(path, metadata=metadata)
         return {"bytes": os.path.getsize(path)}

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+from collections.abc import Mapping
 
-__all__ = ["ClientMethod", "ClientProtocol", "Dropout", "EvaluateReply", "FACTORED", "PersonalizeReply", "PersonalizeRequest",
-           "StatsReceipt", "StatsRequest", "UPLOADED", "UPPER"]
+__all__ = ["ClientMethod", "ClientProtocol", "Dropout", "EvaluateReply", "FACTORED", "PersonalizeReply",
+           "PersonalizeRequest", "StatsReceipt", "StatsRequest", "UPLOADED", "UPPER"]
 
 #: What a client's statistics reply sends up to be summed (the rest of it is local timing).
 UPLOADED = ("G", "C", "zz", "rows")
@@ -68,7 +69,8 @@ class ClientProtocol(Protocol):
 
     def train_rows(self) -> dict: ...
 
-    def factored_rows(self, position: int, batch_size: int, round_index: int = 0, coordinates: bool = False) -> dict: ...
+    def factored_rows(self, position: int, batch_size: int, round_index: int = 0,
+                      coordinates: bool = False) -> dict: ...
 
     def set_weights(self, position: int, weights: Any) -> dict: ...
 

@@ -21,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -138,7 +138,7 @@ class RunConfig:
     secure: bool = False         # analytic methods: statistics summed by pairwise masking (fedlayer.secure)
     min_group_size: int = 3      # with secure: smaller K-means groups merge into the nearest one
     h_noise: float = 0.0         # std of Gaussian noise each client adds to its label summary h_i (eq. 9)
-    server_solve: str = "auto"   # analytic methods: solve from the Grams ("primal"), the factored rows ("dual"), or auto
+    server_solve: str = "auto"   # analytic methods: solve from the Grams ("primal"), the factored rows ("dual"), auto
     server_memory: float | None = None  # GiB the server's solve of a layer may hold (None: half the physical memory)
 
     def validate(self, where: str = "") -> RunConfig:
@@ -191,7 +191,8 @@ class RunConfig:
         ``pfedacnnl`` run from a ``pfedacnnl-wp`` one.
         """
         algorithm = ALGORITHMS[self.algorithm]
-        return {"algorithm": getattr(algorithm, "federated_stage", self.algorithm), "model": self.model, "gamma": self.gamma, "groups": self.groups,
+        return {"algorithm": getattr(algorithm, "federated_stage", self.algorithm), "model": self.model,
+                "gamma": self.gamma, "groups": self.groups,
                 "gamma_scope": self.gamma_scope,
                 # Only when set, so that checkpoints written before the key existed still resume.
                 **({"gamma_output": self.gamma_output} if self.gamma_output is not None else {}),
@@ -218,8 +219,8 @@ def pooled_data(dataset: FederatedDataset) -> ClientData:
     )
 
 
-def make_clients(config: RunConfig, dataset: FederatedDataset, model_config: dict, client_ids: Iterable[int] | None = None,
-                 max_cores: int | None = None) -> list:
+def make_clients(config: RunConfig, dataset: FederatedDataset, model_config: dict,
+                 client_ids: Iterable[int] | None = None, max_cores: int | None = None) -> list:
     """The client objects for ``client_ids`` (all when None), deterministically from the config.
 
     ``max_cores``: a cap on every client's cores (an MPI rank's share of its node).

@@ -79,13 +79,14 @@ import math
 import os
 import secrets
 from types import SimpleNamespace
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["class_means_from_upload", "FixedPoint", "fraction_bits", "neighbour_graph", "threshold", "shamir_split", "shamir_combine",
-           "SecureClientState", "SecureServer", "PRIME", "SecureAggregationError", "choose_contributors", "close_pairs",
-           "components", "admissible", "combination_leak", "secagg_degree", "split_bound"]
+__all__ = ["class_means_from_upload", "FixedPoint", "fraction_bits", "neighbour_graph", "threshold", "shamir_split",
+           "shamir_combine", "SecureClientState", "SecureServer", "PRIME", "SecureAggregationError",
+           "choose_contributors", "close_pairs", "components", "admissible", "combination_leak", "secagg_degree",
+           "split_bound"]
 
 #: Shamir shares live in GF(p) for the Mersenne prime 2^521 - 1 (any 32-byte secret fits).
 PRIME = 2**521 - 1
@@ -268,7 +269,7 @@ def split_bound(n: int, degree: int, dropout: float) -> float:
 
 
 def secagg_degree(n: int, dropout: float = SUPPORTED_DROPOUT, failure: float = SPLIT_FAILURE) -> int:
-    """The SecAgg+ degree of a group of ``n``: at least 2 ceil(log2 n), and enough that :func:`split_bound` <= ``failure``.
+    """The SecAgg+ degree of a group of ``n``: at least 2 ceil(log2 n), and :func:`split_bound` <= ``failure``.
 
     For 100 clients at a dropout rate of 0.2 both give 14; for the 10-13
     clients of a pFedACnnL group the bound asks for 12 or more, so those
@@ -539,7 +540,10 @@ def keystream_words(key: bytes, n_words: int) -> np.ndarray:
 
 
 def _keystream(key, first_block=0):
-    """An AES-CTR encryptor under ``key`` (16 or 32 bytes), its counter at block ``first_block``: encrypting zeros yields the keystream."""
+    """An AES-CTR encryptor under ``key`` (16 or 32 bytes), its counter at block ``first_block``.
+
+    Encrypting zeros yields the keystream.
+    """
     crypto = _crypto()
     return crypto.Cipher(crypto.algorithms.AES(key), crypto.modes.CTR(first_block.to_bytes(16, "big"))).encryptor()
 
@@ -603,7 +607,7 @@ def _add_masks(flat, key_sign_pairs, sources=(), code=None, checked=False):
     return flat
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mask_pool():
     """Threads for the masks' spans, started once per process (a start costs about as much as a chunk)."""
     from fastls import available_cores
@@ -725,8 +729,9 @@ class SecureClientState:
                 reports[sender] = f"client {self.cid}: {err}"
                 continue
             if owner != sender or to != self.cid or (context is not None and got != tuple(context)):
+                expected = None if context is None else tuple(context)
                 reports[sender] = (f"client {self.cid}: a share from {sender} names {owner} -> {to} for sum {got}, "
-                                   f"expected {sender} -> {self.cid} for sum {None if context is None else tuple(context)}")
+                                   f"expected {sender} -> {self.cid} for sum {expected}")
                 continue
             self._held[(owner, what, got)] = (x, y)
         return reports
@@ -921,7 +926,7 @@ class SecureServer:
         for key, (a, b) in offsets.items():
             flat[a:b] = np.asarray(masked[key], dtype=np.uint64).reshape(-1)
         self_shares = {}  # owner -> the shares of its self mask the survivors revealed
-        for revealer, shares in revealed.items():
+        for _revealer, shares in revealed.items():
             for owner, (what, share) in shares.items():
                 if what == "self":
                     self_shares.setdefault(int(owner), []).append(share)

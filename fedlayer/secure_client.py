@@ -10,7 +10,8 @@ attribute is the wrapped client's.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Collection, Hashable, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Collection, Hashable, Sequence
 
 import fastls
 

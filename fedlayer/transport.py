@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -163,8 +164,9 @@ class Transport(ABC):
         Sum
         """
 
-    def sum_groups(self, method: str, group_args: Sequence[tuple], keys: Sequence[str], *, dtype: npt.DTypeLike = np.float64,
-                   upper: Sequence[str] = (), on_client: Callable[[int], None] | None = None) -> Iterator[tuple[Any, Sum]]:
+    def sum_groups(self, method: str, group_args: Sequence[tuple], keys: Sequence[str], *,
+                   dtype: npt.DTypeLike = np.float64, upper: Sequence[str] = (),
+                   on_client: Callable[[int], None] | None = None) -> Iterator[tuple[Any, Sum]]:
         """:meth:`sum` for several groups of clients: yields ``(key, Sum)`` per group, in the order given.
 
         ``group_args``: sequence of (key, args) with args as in :meth:`sum`.
@@ -175,7 +177,7 @@ class Transport(ABC):
         for key, args in group_args:
             yield key, self.sum(method, args, keys, dtype=dtype, upper=upper, on_client=on_client)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (optional: an in-process transport has nothing to release)
         """Release the clients (and, for MPI, tell the ranks to stop)."""
 
 

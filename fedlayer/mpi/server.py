@@ -165,7 +165,8 @@ class MPITransport(Transport):
 
     def sum_groups(self, method: str, group_args: Iterable[tuple[Any, Mapping[int, dict[str, Any]]]],
                    keys: Sequence[str], *, dtype: npt.DTypeLike = np.float64,
-                   upper: Sequence[str] = (), on_client: Callable[[int], None] | None = None) -> Iterator[tuple[Any, Sum]]:
+                   upper: Sequence[str] = (),
+                   on_client: Callable[[int], None] | None = None) -> Iterator[tuple[Any, Sum]]:
         """As :meth:`Transport.sum_groups`: one command per rank for all the groups, the sums taken a group at a time.
 
         Each rank runs its clients group by group and sends each group's

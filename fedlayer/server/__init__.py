@@ -18,11 +18,11 @@ from .grouping import cluster, merge_small_groups
 from .reference import survivors_solution
 from .secure_sums import EXCLUDED, SECURE_ATTEMPTS, SecureSums
 from .solvers import FixedGamma, GroupGCV, LayerSolver, PooledGCV, SummedStatistics, choose_solver
-from .stages import (VARIANTS, AllClientsDropped, ProtocolRun, Variant, adaptive_batch_sizes, initialize, personalize,
-                     run_protocol, targets_cross, train_layer)
+from .stages import (VARIANTS, AllClientsDropped, ModelLayers, ProtocolRun, Variant, adaptive_batch_sizes, initialize,
+                     personalize, run_protocol, targets_cross, train_layer)
 from .state import ServerState
 
 __all__ = ["EXCLUDED", "SECURE_ATTEMPTS", "VARIANTS", "AllClientsDropped", "FixedGamma", "GroupGCV", "LayerSolver",
-           "PooledGCV", "ProtocolRun", "SecureSums", "ServerState", "SummedStatistics", "Variant",
+           "ModelLayers", "PooledGCV", "ProtocolRun", "SecureSums", "ServerState", "SummedStatistics", "Variant",
            "adaptive_batch_sizes", "choose_solver", "cluster", "initialize", "merge_small_groups", "personalize",
            "run_protocol", "survivors_solution", "targets_cross", "train_layer"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
-from typing import Collection, Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 import numpy.typing as npt

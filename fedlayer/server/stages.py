@@ -25,7 +25,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -43,8 +43,8 @@ from .secure_sums import SecureSums
 from .solvers import LayerSolver, RowStack, SummedStatistics, choose_solver, solve_form
 from .state import ServerState, shareable
 
-__all__ = ["AllClientsDropped", "ProtocolRun", "VARIANTS", "Variant", "adaptive_batch_sizes", "initialize",
-           "personalize", "plan_forms", "run_protocol", "targets_cross", "train_layer"]
+__all__ = ["AllClientsDropped", "ModelLayers", "ProtocolRun", "VARIANTS", "Variant", "adaptive_batch_sizes",
+           "initialize", "personalize", "plan_forms", "run_protocol", "targets_cross", "train_layer"]
 
 
 class AllClientsDropped(RuntimeError):
@@ -101,6 +101,27 @@ def targets_cross(C: np.ndarray, basis: np.ndarray, position: int) -> np.ndarray
         raise ValueError(f"layer {position + 1}: asked for X^T Y's coordinates in the label code "
                          f"({basis.shape[0]} columns), the clients' sum has {C.shape[1]}")
     return fastls.matmul(C, basis.astype(C.dtype, copy=False), check_finite=False)
+
+
+@dataclass(frozen=True)
+class ModelLayers:
+    """What the server knows of the model's trainable layers, each list one entry per layer.
+
+    Attributes
+    ----------
+    bases : list of (ndarray or None) or None
+        The label code Q_l the clients' targets were made with (Z_l = Y Q_l;
+        None for the output layer). The server then solves on the n_classes
+        columns of C Q_l^+ instead of the d_l columns of C
+        (:func:`fastls.ridge_solve`'s ``rhs_basis``): the same weights.
+    shapes : list of (int, int) or None
+        The layer's least-squares (inputs, outputs): with them, a layer whose
+        Gram does not fit ``ServerOptions.server_memory`` is solved in the dual
+        (:func:`plan_forms`); without them, only ``server_solve="dual"`` is.
+    """
+
+    bases: Sequence | None = None
+    shapes: Sequence | None = None
 
 
 @dataclass
@@ -320,7 +341,8 @@ def train_layer(run: ProtocolRun, state: ServerState, position: int) -> None:
                            expand=basis if coordinates else None, position=position)
     layer = _LayerRound(position, log, solver, basis, coordinates)
     # The dual's GCV needs no target moments: the rows carry them.
-    request = {cid: StatsRequest(position, state.batch[cid], position, target_moments=gamma == "auto" and form != "dual",
+    moments = gamma == "auto" and form != "dual"
+    request = {cid: StatsRequest(position, state.batch[cid], position, target_moments=moments,
                                  coordinates=layer.coordinates).kwargs() for cid in run.transport.client_ids}
     group_args = [(k, {cid: request[cid] for cid in run.transport.client_ids if state.group_of[cid] == k})
                   for k in range(n_groups)]
@@ -501,9 +523,9 @@ def personalize(run: ProtocolRun, state: ServerState) -> None:
 
 # -- the whole protocol ---------------------------------------------------------------------------------
 def run_protocol(transport: Transport, n_layers: int, variant: Variant, options: ServerOptions | None = None, *,
-                 target_bases: Sequence | None = None, secure: SecureServer | None = None, clock: Clock = Clock(),
+                 layers: ModelLayers | None = None, secure: SecureServer | None = None, clock: Clock = Clock(),
                  progress: Callable[[str], None] | None = None, checkpoint: Checkpointing | None = None,
-                 resume: ServerState | None = None, layer_shapes: Sequence | None = None) -> dict:
+                 resume: ServerState | None = None) -> dict:
     """Run one algorithm over ``transport``'s clients; returns the results record.
 
     Parameters
@@ -513,11 +535,9 @@ def run_protocol(transport: Transport, n_layers: int, variant: Variant, options:
         Trainable layers of the model (rounds of the federated stage).
     variant : Variant
     options : ServerOptions, default=ServerOptions()
-    target_bases : list of (ndarray or None), optional
-        Per layer, the label encoder Q_l the clients' targets were made with
-        (Z_l = Y Q_l; None for the output layer). The server then solves on
-        the n_classes columns of C Q_l^+ instead of the d_l columns of C
-        (:func:`fastls.ridge_solve`'s ``rhs_basis``): the same weights.
+    layers : ModelLayers, optional
+        The label codes and least-squares shapes of the trainable layers
+        (default: one-hot targets, and the dual only when forced).
     secure : fedlayer.secure.SecureServer or None
         Sum the statistics by the secure protocol (pairwise masks, fixed
         point; groups below ``secure.min_group_size`` merge first). A client
@@ -531,10 +551,6 @@ def run_protocol(transport: Transport, n_layers: int, variant: Variant, options:
     resume : ServerState or None
         A checkpoint's state (:meth:`ServerState.from_checkpoint`): finished
         layers are sent to the clients again instead of being trained.
-    layer_shapes : list of (int, int) or None
-        Per layer, its least-squares (inputs, outputs): with it, a layer whose
-        Gram does not fit ``options.server_memory`` is solved in the dual
-        (:func:`plan_forms`); without it, only ``server_solve="dual"`` does.
 
     Returns
     -------
@@ -544,8 +560,9 @@ def run_protocol(transport: Transport, n_layers: int, variant: Variant, options:
     """
     options = ServerOptions() if options is None else options
     first_batch, max_batch = options.batch.sizes(transport.client_ids)
-    run = ProtocolRun(transport, n_layers, variant, options, first_batch, max_batch, target_bases,
-                      None if secure is None else SecureSums(secure), clock, progress, checkpoint, layer_shapes)
+    layers = ModelLayers() if layers is None else layers
+    run = ProtocolRun(transport, n_layers, variant, options, first_batch, max_batch, layers.bases,
+                      None if secure is None else SecureSums(secure), clock, progress, checkpoint, layers.shapes)
     state = initialize(run, resume)
     run.forms = plan_forms(run, state)
     for position in range(state.layers_done, n_layers):

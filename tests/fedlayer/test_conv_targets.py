@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from fedlayer.client import Client, encoder_widths, target_bases
-from fedlayer.server import Variant, run_protocol
+from fedlayer.server import ModelLayers, Variant, run_protocol
 from fedlayer.models import build_model
 from fedlayer.transport import InProcessTransport
 from fedlayer.options import BatchPolicy, ClientOptions, ServerOptions
@@ -63,7 +63,7 @@ def test_fedacnnl_with_position_codes_equals_centralized(rng, padding):
         clients = [Client(i, client_data(x, y, p), config, seed=5, n_classes=N_CLASSES) for i, p in enumerate(parts)]
         bases = target_bases(small_dcnn(padding), 5)
         return run_protocol(InProcessTransport(clients), 5, Variant(adaptive=False),
-                            ServerOptions(batch=BatchPolicy(7)), target_bases=bases)["group_weights"][0]
+                            ServerOptions(batch=BatchPolicy(7)), layers=ModelLayers(bases))["group_weights"][0]
 
     central = run([np.arange(40)])
     federated = run(np.array_split(rng.permutation(40), 3))
@@ -72,7 +72,8 @@ def test_fedacnnl_with_position_codes_equals_centralized(rng, padding):
 
 
 def _wide_client(rng, n):
-    """A client of a DCNN wide enough (1/16) that its last two convolutions have more filters than positions x classes."""
+    """A client of a DCNN wide enough (1/16) that its last two convolutions have more filters than positions x
+    classes."""
     x = rng.random((n, 32, 32, 3))
     y = rng.integers(0, N_CLASSES, n)
     model = build_model("dcnn", (32, 32, 3), N_CLASSES, width=1 / 16)
@@ -96,7 +97,8 @@ def test_position_codes_solve_on_their_stacked_codes(rng):
             assert_close(fastls.ridge_solve(G, C, 100.0, rhs_basis=bases[position]), W, np.float64, rtol=1e-9)
         client.set_weights(position, W)
     eps = 2500.0
-    # 60 images: 960 patch rows against 577 inputs at the third convolution (primal), 240 against 1153 at the fourth (dual).
+    # 60 images: 960 patch rows against 577 inputs at the third convolution (primal), 240 against 1153 at the
+    # fourth (dual).
     for position, method in ((2, "primal"), (3, "dual")):
         index = model.trainable[position]
         A = model.layers[index].ls_rows(model.forward(x, stop=index))

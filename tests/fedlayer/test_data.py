@@ -883,7 +883,7 @@ def test_load_federated_partitions_with_the_given_beta(tmp_path):
 def test_load_federated_synthetic_passes_alpha_and_beta_to_the_generator():
     for alpha, beta in ((1.0, 0.0), (0.0, 1.0)):
         dataset = load_federated("synthetic", n_clients=3, seed=1, synthetic_alpha=alpha, synthetic_beta=beta)
-        for client, (x, y) in zip(dataset.clients, make_synthetic(alpha=alpha, beta=beta, n_users=3, seed=1)):
+        for client, (x, _y) in zip(dataset.clients, make_synthetic(alpha=alpha, beta=beta, n_users=3, seed=1)):
             pooled = np.concatenate([client.x_train, client.x_test])
             np.testing.assert_array_equal(np.sort(pooled, axis=0), np.sort(x, axis=0))
 

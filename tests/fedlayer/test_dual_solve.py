@@ -17,9 +17,9 @@ from fedlayer.rotation import haar_orthogonal, secret_normals
 from fedlayer.run import RunConfig, run
 from fedlayer.secure import SecureServer
 from fedlayer.secure_client import SecureClient
-from fedlayer.server import Variant, run_protocol
-from fedlayer.server.solvers import (DUAL_BLOCK_FEATURES, DualSolve, FactoredRows, RowStack, _column_blocks, choose_solver,
-                                     dual_gram, solve_form)
+from fedlayer.server import ModelLayers, Variant, run_protocol
+from fedlayer.server.solvers import (DUAL_BLOCK_FEATURES, DualSolve, FactoredRows, RowStack, _column_blocks,
+                                     choose_solver, dual_gram, solve_form)
 from fedlayer.transport import InProcessTransport
 from tests.fedlayer.cases import N_CLASSES, client_data
 from tests.numeric_checks import assert_close
@@ -225,11 +225,12 @@ def test_a_kernel_path_gives_dual_coefficients_not_w(rng):
 
 # -- whole runs --------------------------------------------------------------------------------------------
 def _run(model, x, y, parts, variant, shapes=True, secure=False, **options):
-    clients = [Client(i, client_data(x, y, p), model.config(), seed=6, n_classes=N_CLASSES) for i, p in enumerate(parts)]
+    clients = [Client(i, client_data(x, y, p), model.config(), seed=6, n_classes=N_CLASSES)
+               for i, p in enumerate(parts)]
     layer_shapes = [model.layers[i].ls_shape(model.input_shape_of(i)) for i in model.trainable] if shapes else None
     return run_protocol(InProcessTransport([SecureClient(c) for c in clients] if secure else clients),
                         len(model.trainable), variant, ServerOptions(seed=6, groups=2, batch=BatchPolicy(5), **options),
-                        target_bases=target_bases(model, 6), layer_shapes=layer_shapes,
+                        layers=ModelLayers(target_bases(model, 6), layer_shapes),
                         secure=SecureServer(6, min_group_size=2) if secure else None)
 
 
@@ -310,8 +311,9 @@ def test_a_dropout_leaves_its_rows_out_of_the_dual_solve(rng):
     model, x, y, parts = _dnn_case(rng, np.float64)
     clients = [Client(i, client_data(x, y, p), model.config(), seed=6, n_classes=N_CLASSES,
                       options=ClientOptions(drop_probability=0.999 if i == 1 else 0.0)) for i, p in enumerate(parts)]
-    outcome = run_protocol(InProcessTransport(clients), 3, FEDACNNL, ServerOptions(server_solve="dual", batch=BatchPolicy(5)),
-                           target_bases=target_bases(model, 6))
+    outcome = run_protocol(InProcessTransport(clients), 3, FEDACNNL,
+                           ServerOptions(server_solve="dual", batch=BatchPolicy(5)),
+                           layers=ModelLayers(target_bases(model, 6)))
     kept = np.concatenate([p for i, p in enumerate(parts) if i != 1])
     reference = _run(model, x[kept], y[kept], np.array_split(np.arange(len(kept)), 3), FEDACNNL)
     first = outcome["rounds"][0]
@@ -323,8 +325,8 @@ def test_a_secure_run_that_needs_the_dual_is_refused_before_training(rng):
     """9 rows of 13 features: the dual's 9 x 9 system fits 1,000 bytes where the 13 x 13 Gram does not."""
     model, x, y, parts = _dnn_case(rng, np.float64, n=9, n_clients=3)
     budget = 1000 / 2**30
-    assert [r.get("solve", {}).get("form") for r in _run(model, x, y, parts, FEDACNNL, server_memory=budget)["rounds"]] \
-        == ["dual"] * 3
+    rounds = _run(model, x, y, parts, FEDACNNL, server_memory=budget)["rounds"]
+    assert [r.get("solve", {}).get("form") for r in rounds] == ["dual"] * 3
     with pytest.raises(ValueError, match=r"layer 1 \(d = 13\) must be solved in the dual: its Gram takes 1,352 bytes "
                                          r".* secure sums cannot carry .* without --secure, raise --server-memory"):
         _run(model, x, y, parts, FEDACNNL, server_memory=budget, secure=True)

@@ -194,7 +194,7 @@ def test_time_accounting(rng):
         clients = record["clients"]
         arrivals = {cid: t["arrival_s"] for cid, t in clients.items()}
         slowest = max(arrivals.values())
-        for cid, t in clients.items():
+        for _cid, t in clients.items():
             assert t["idle_s"] == pytest.approx(slowest - t["arrival_s"])
             assert t["comm_s"] > 1e-3  # latency up and down, plus bytes / bandwidth
         assert min(t["idle_s"] for t in clients.values()) == 0.0

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedlayer.client import Client
-from fedlayer.server import EXCLUDED, VARIANTS, merge_small_groups, run_protocol
+from fedlayer.server import EXCLUDED, VARIANTS, ModelLayers, merge_small_groups, run_protocol
 from fedlayer.secure import (
     _CHUNK_WORDS,
     FixedPoint,
@@ -304,8 +304,8 @@ def test_a_tampered_share_is_refused_and_its_sender_reported():
     assert states[1]._held == {}
 
 
-@pytest.mark.parametrize("plain", [b"[0, 1, 'self']", b"[0, 1, \"both\", [1, 0], 1, 2]", b"[0, 1, \"self\", [1.5], 1, 2]",
-                                   b"not json"])
+@pytest.mark.parametrize("plain", [b"[0, 1, 'self']", b"[0, 1, \"both\", [1, 0], 1, 2]",
+                                   b"[0, 1, \"self\", [1.5], 1, 2]", b"not json"])
 def test_an_authentic_share_of_the_wrong_form_is_refused(plain):
     states, server = _setup([0, 1, 2])
     nonce = os.urandom(12)
@@ -707,12 +707,12 @@ def test_differencing_two_unmasked_sums_reveals_no_client(rng, monkeypatch):
     clients = _failing_clients(seed, 9, {4: {("local_stats", 1)}})
     seen = _spy_sums(monkeypatch)
     result = run_protocol(InProcessTransport(clients), 3, VARIANTS["fedacnnl"], ServerOptions(batch=BatchPolicy(7)),
-                          target_bases=clients[0].bases, secure=SecureServer(seed=5))
+                          layers=ModelLayers(clients[0].bases), secure=SecureServer(seed=5))
     assert len(seen) == 3
     histograms = {c.client_id: np.bincount(c.data.y_train, minlength=N_CLASSES) for c in clients}
     for i, (members_a, counts_a) in enumerate(seen):
         np.testing.assert_allclose(counts_a, sum(histograms[c] for c in members_a), atol=1e-6)
-        for members_b, counts_b in seen[i + 1:]:
+        for _members_b, counts_b in seen[i + 1:]:
             difference = np.abs(counts_a - counts_b)
             for cid, histogram in histograms.items():
                 assert not np.allclose(difference, histogram, atol=1e-6), f"client {cid}'s class counts"

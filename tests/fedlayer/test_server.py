@@ -94,7 +94,8 @@ def test_the_stages_run_one_by_one_are_run_protocol(rng):
     parts = np.array_split(np.arange(160), 4)
 
     def clients():
-        return [Client(i, client_data(x, y, p), dnn_config(12), seed=3, n_classes=N_CLASSES) for i, p in enumerate(parts)]
+        return [Client(i, client_data(x, y, p), dnn_config(12), seed=3, n_classes=N_CLASSES)
+                for i, p in enumerate(parts)]
 
     variant = Variant(adaptive=False, cluster=True, personalize=True)
     options = ServerOptions(groups=2, batch=BatchPolicy(9))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from fedlayer.client import Client, target_bases
-from fedlayer.server import Variant, run_protocol, targets_cross
+from fedlayer.server import ModelLayers, Variant, run_protocol, targets_cross
 from fedlayer.models import build_model
 from fedlayer.transport import InProcessTransport
 from fedlayer.options import BatchPolicy, ClientOptions, ServerOptions
@@ -62,8 +62,8 @@ def test_weights_and_bytes_of_the_two_uploads(rng, make, conv_targets):
         clients = [Client(i, client_data(x, y, p), model.config(), seed=6, n_classes=N_CLASSES,
                           options=ClientOptions(conv_targets=conv_targets)) for i, p in enumerate(parts)]
         return run_protocol(InProcessTransport(clients), len(model.trainable), Variant(adaptive=False),
-                            ServerOptions(seed=6, upload=upload,
-                                          batch=BatchPolicy(5)), target_bases=target_bases(model, 6, conv_targets))
+                            ServerOptions(seed=6, upload=upload, batch=BatchPolicy(5)),
+                            layers=ModelLayers(target_bases(model, 6, conv_targets)))
 
     coordinates, targets = run("coordinates"), run("targets")
     for W_coordinates, W_targets in zip(coordinates["group_weights"][0], targets["group_weights"][0]):

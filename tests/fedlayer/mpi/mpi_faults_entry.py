@@ -1,4 +1,7 @@
-"""``fedlayer`` with injected faults, for the MPI tests: ``mpiexec -n 3 python tests/fedlayer/mpi/mpi_faults_entry.py run ...``.
+"""``fedlayer`` with injected faults, for the MPI tests.
+
+    mpiexec -n 3 python tests/fedlayer/mpi/mpi_faults_entry.py run ...
+
 
 mpiexec starts this script on every rank; it builds an :class:`InjectedFaults`
 from the environment the test gave the job and passes it to

@@ -24,7 +24,8 @@ def _sources(package):
 
 
 def test_production_code_reads_no_test_variable():
-    # Faults reach fedlayer as hooks objects (tests/fedlayer/mpi/mpi_faults_entry.py), never through its own environment reads.
+    # Faults reach fedlayer as hooks objects (tests/fedlayer/mpi/mpi_faults_entry.py), never through its own
+    # environment reads.
     sources = _sources(fedlayer) + _sources(fastls)
     assert any(p.name == "worker.py" for p in sources) and any(p.suffix == ".pyx" for p in sources)
     offenders = [str(p) for p in sources if "FEDLAYER_TEST_" in p.read_text()]
