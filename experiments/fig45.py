@@ -1,7 +1,7 @@
 """Fig. 4/5: accuracy per round and averaged total training time per client.
 
     python experiments/fig45.py --dataset mnist [--seeds 0 1 2] [--budget N [ALGORITHM=N ...]] [--out docs/results]
-        [--algorithms ...] [--forward batch|cached] [--tag TAG]
+        [--algorithms ...] [--forward batch|cached] [--tag TAG] [--accuracy-only]
 
 Runs FedACnnL, FedACnnL-WA, FedAvg, FedZO and BAFFLE on the same data,
 splits, DNN, client cores and clock. The paper trains the baselines for 20
@@ -12,7 +12,10 @@ clients step together, checkpointed every 10 rounds under
 times each client alone; ``--budget`` caps the rounds of that timed run
 (``N`` for all, ``ALGORITHM=N`` for one; default 20), whose time per client
 is then also given extrapolated to the paper's round count from the
-measured per-round time.
+measured per-round time. ``--accuracy-only`` runs just the accuracy runs and
+leaves their checkpoints, for a machine shared with other jobs (their
+curves do not depend on it, the timings would): the timed run then resumes
+them at once.
 With several seeds (each draws its own data split, client cores and
 initialization) the table gives the mean over seeds with each seed's values,
 and the idle-time ratio of FedACnnL to FedACnnL-WA per seed.
@@ -178,7 +181,7 @@ def render(by_seed, args, rounds, paper_rounds):
             lines += ["", *round_one_bound(per_round["fedacnnl"], per_round["fedacnnl-wa"], over_seeds)]
     return lines
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", choices=sorted(PAPER_ROUNDS), default="mnist")
     parser.add_argument("--budget", nargs="+", default=["20"],
@@ -194,7 +197,10 @@ def main():
                         help="the analytic methods' forward passes: every batch from the input layer, as in the "
                              "paper's Algorithm 1 (default), or the cached activations of the layer before")
     parser.add_argument("--tag", default="", help="suffix of the output files' names (fig45_DATASET_TAG.md, ...)")
-    args = parser.parse_args()
+    parser.add_argument("--accuracy-only", action="store_true",
+                        help="run only the baselines' batched accuracy runs, checkpointed, and time nothing: on a "
+                             "shared machine, so that the later timed run (without this flag) resumes them at once")
+    args = parser.parse_args(argv)
     use_shared_data()  # the checkout's ../shared/data unless FEDLAYER_DATA_DIR says otherwise
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -208,6 +214,8 @@ def main():
         for algorithm in [capped] if capped else BASELINE:
             rounds[algorithm] = min(paper_rounds, int(value))
 
+    if args.accuracy_only:
+        return accuracy_runs_only(args, paper_rounds)
     by_seed = {}
     for seed in args.seeds:
         try:
@@ -241,6 +249,18 @@ def main():
     (out / f"fig45_{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     _plots(by_seed, out, args.dataset, name)
+    return 0
+
+
+def accuracy_runs_only(args, paper_rounds):
+    """``--accuracy-only``: every selected baseline's batched accuracy run, left checkpointed for the timed run."""
+    for seed in args.seeds:
+        dataset = load_dataset(RunConfig(dataset=args.dataset, seed=seed))
+        for algorithm in [a for a in args.algorithms if a in BASELINE]:
+            result = accuracy_run(algorithm, args, seed, dataset, paper_rounds)
+            best = max(accuracy for _, accuracy in result["curve"])
+            print(f"seed {seed} {algorithm}: accuracy after {paper_rounds} rounds {100 * result['accuracy']:.2f} "
+                  f"(best {100 * best:.2f}), checkpoint {result['checkpoint']}", flush=True)
     return 0
 
 

@@ -63,3 +63,20 @@ def test_the_report_names_the_batched_accuracy_and_the_timed_rounds():
     assert "| fedavg | 2 | 81.00 |" in text  # the batched run's accuracy after 600 rounds, not the timed 75 %
     assert "| fedacnnl | 2 | 86.00 |" in text
     assert "| total time of fedavg (at 600 rounds) |" in text
+
+
+def test_accuracy_only_leaves_checkpoints_the_timed_run_resumes(tmp_path, monkeypatch, capsys):
+    """--accuracy-only runs the batched accuracy runs and keeps their checkpoints; run again, it resumes them."""
+    monkeypatch.setitem(fig45.PAPER_ROUNDS, "synthetic", 2)
+    argv = ["--dataset", "synthetic", "--algorithms", "fedavg", "fedacnnl", "--accuracy-only",
+            "--checkpoints", str(tmp_path), "--out", str(tmp_path / "out")]
+    assert fig45.main(argv) == 0
+    first = capsys.readouterr().out
+    assert "seed 0 fedavg: accuracy after 2 rounds" in first and "fedacnnl" not in first
+    checkpoint = tmp_path / "fig45-synthetic-fedavg-seed0.npz"
+    assert checkpoint.exists() and not (tmp_path / "out" / "fig45_synthetic.md").exists()
+    ran = []
+    real_run = fig45.run
+    monkeypatch.setattr(fig45, "run", lambda config, **kw: ran.append(config.resume) or real_run(config, **kw))
+    assert fig45.main(argv) == 0
+    assert capsys.readouterr().out == first and ran == [True]
