@@ -474,8 +474,8 @@ def main():
                         help="label codes of the convolutions (fedlayer run --conv-targets)")
     parser.add_argument("--padding", choices=DCNN_PADDINGS, default="valid",
                         help="the DCNN's convolutions ('same' at full width: a 137 GB classifier Gram, so the server "
-                             "solves that layer in the dual; give FedACnnL --server-memory 18 for its 45,000 x "
-                             "45,000 system)")
+                             "solves that layer in the dual; FedACnnL's 45,000 x 45,000 system, 15.1 GiB, needs a "
+                             "--server-memory of at least that: the default, 3/4 of the RAM, is 17 GiB on 23 GiB)")
     parser.add_argument("--server-memory", type=float, default=None,
                         help="GiB the server's solve of a layer may hold (fedlayer run --server-memory)")
     parser.add_argument("--server-solve", choices=SERVER_SOLVES, default="auto",

@@ -42,13 +42,13 @@ def _fake_cifar(rng, n_clients=3, n_train=10, n_test=4):
 
 
 def test_same_padding_runs_its_classifier_through_the_dual_at_a_server_memory_it_exceeds(tmp_path):
-    """At width 1/64 the 'same' classifier's Gram is 2,049^2 (34 MB): with 1 MiB for the server it is solved in
+    """At width 1/64 the 'same' classifier's Gram is 2,049^2 (34 MB): with 2 MiB for the server it is solved in
     the dual, the convolutions in the primal, and the weights are the primal run's."""
     dataset = _fake_cifar(np.random.default_rng(0))
     args = SimpleNamespace(width=1 / 64, padding="same", seed=0, conv_targets="position", server_solve="auto",
-                           server_memory=2.0 ** -10)
+                           server_memory=2.0 ** -9)
     config = dataclasses.replace(config_for("fedacnnl", args, output=str(tmp_path / "dual")), clients=3)
-    assert (config.server_solve, config.server_memory, config.padding) == ("auto", 2.0 ** -10, "same")
+    assert (config.server_solve, config.server_memory, config.padding) == ("auto", 2.0 ** -9, "same")
     dual = run(config, dataset=dataset)
     primal = run(dataclasses.replace(config, server_solve="primal", output=None), dataset=dataset)
     forms = [r.get("solve", {"form": "primal"})["form"] for r in dual["rounds"].values()]

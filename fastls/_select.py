@@ -264,8 +264,10 @@ class RidgePath:
                                  f"coordinates per row, got shape {Z.shape}")
         K64 = np.asarray(K, dtype=np.float64)
         R = np.asarray(Z, dtype=np.float64)
-        lam, U = scipy.linalg.eigh(K64, lower=False, overwrite_a=overwrite_k and K64 is K and K.flags.writeable,
-                                   check_finite=False, driver="evd")
+        # LAPACK works in place only on Fortran order: a C-ordered K's upper triangle is its transpose's lower.
+        in_place = overwrite_k and K64 is K and K.flags.writeable
+        A, lower = (K64.T, True) if K64.flags.c_contiguous and not K64.flags.f_contiguous else (K64, False)
+        lam, U = scipy.linalg.eigh(A, lower=lower, overwrite_a=in_place, check_finite=False, driver="evd")
         # As _thin_svd: eigenvalues below the kernel's rounding are 0 (their directions stay in U, with the
         # part of R outside X's row space).
         top = max(float(lam[-1]), 0.0)

@@ -130,8 +130,8 @@ class ServerOptions:
     server_memory : float or None, default=None
         GiB of RAM the server's solve of a layer may hold (the Gram, or the
         dual's N x N system and stacked rows; rows beyond it are
-        memory-mapped under ``scratch_dir``). None: half the machine's
-        physical memory.
+        memory-mapped under ``scratch_dir``). None: three quarters of the
+        machine's physical memory (the rest for the clients' data and caches).
     scratch_dir : path or None
         Where stacked rows that exceed ``server_memory`` are memory-mapped
         (a run's output folder); None: the temporary folder.
@@ -163,10 +163,10 @@ class ServerOptions:
 
     @property
     def memory_bytes(self) -> int:
-        """The server's memory budget in bytes (``server_memory``, or half the physical memory)."""
+        """The server's memory budget in bytes (``server_memory``, or three quarters of the physical memory)."""
         if self.server_memory is not None:
             return int(self.server_memory * 2**30)
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 3 // 4
 
     @property
     def weights_in(self) -> np.dtype:

@@ -139,7 +139,7 @@ class RunConfig:
     min_group_size: int = 3      # with secure: smaller K-means groups merge into the nearest one
     h_noise: float = 0.0         # std of Gaussian noise each client adds to its label summary h_i (eq. 9)
     server_solve: str = "auto"   # analytic methods: solve from the Grams ("primal"), the factored rows ("dual"), auto
-    server_memory: float | None = None  # GiB the server's solve of a layer may hold (None: half the physical memory)
+    server_memory: float | None = None  # GiB the server's solve of a layer may hold (None: 3/4 of the physical memory)
 
     def validate(self, where: str = "") -> RunConfig:
         """Check every value against :data:`CONFIG_CONSTRAINTS` and the algorithm's own rules.

@@ -38,7 +38,7 @@ import fastls
 from ..options import SERVER_SOLVES
 
 __all__ = ["DualSolve", "FactoredRows", "FixedGamma", "GroupGCV", "LayerSolver", "PooledGCV", "RowStack",
-           "SummedStatistics", "choose_solver", "dual_gram", "gcv_choice", "solve_form"]
+           "SummedStatistics", "choose_solver", "dual_bytes", "dual_gram", "gcv_choice", "primal_bytes", "solve_form"]
 
 #: Largest block of the stacked rows the dual solve copies (or casts to float64) at once: at 45,000 rows,
 #: 5,965 float32 columns, so that K = F F^T, whose every update reads and writes all of K in float64, takes
@@ -406,17 +406,37 @@ class DualSolve(LayerSolver):
         return self.gamma
 
 
+def primal_bytes(d: int, itemsize: int = 8, gcv: bool = False) -> int:
+    """What the server holds to solve a layer of ``d`` inputs from its Grams.
+
+    A group's summed Gram and one arriving client's (2 d^2 values), and for
+    GCV the eigendecomposition's eigenvectors and workspace (2 d^2 float64).
+    """
+    return 2 * d * d * itemsize + (2 * d * d * 8 if gcv else 0)
+
+
+def dual_bytes(rows: int, gcv: bool = False) -> int:
+    """What the server holds to solve a group of ``rows`` factored rows: K (N^2 float64), x 3 with GCV.
+
+    GCV's eigendecomposition runs in place on K (its eigenvectors overwrite
+    it) with a workspace of about 2 N^2 values.
+    """
+    return int(rows) * int(rows) * 8 * (3 if gcv else 1)
+
+
 def solve_form(server_solve: str, position: int, d: int, rows: int | None, n_rhs: int, memory_bytes: int,
-               itemsize: int = 8) -> tuple[str, dict]:
+               itemsize: int = 8, gcv: bool = False) -> tuple[str, dict]:
     """How layer ``position`` is solved, and the record of why: the primal (the Gram) or the dual (the rows).
 
-    The rule (``server_solve="auto"``): the primal wherever its d x d Gram
-    fits ``memory_bytes``, so every layer that could be solved before is
-    solved as before; else the dual wherever its N x N system does (N the
-    largest group's rows: groups are solved one at a time); else neither,
-    and ValueError names both sizes. The record holds both forms' bytes and
-    flops (:func:`fastls.proximal_cost`'s counts: the ridge solve is the
-    proximal one without the centre). ``"primal"`` and ``"dual"`` force a form.
+    The rule (``server_solve="auto"``): the primal wherever what it holds
+    (:func:`primal_bytes`) fits ``memory_bytes``; else the dual wherever its
+    N x N system does (:func:`dual_bytes`, N the largest group's rows:
+    groups are solved one at a time); else neither, and ValueError names
+    both sizes. The record holds both forms' bytes and flops
+    (:func:`fastls.proximal_cost`'s counts: the ridge solve is the proximal
+    one without the centre). ``"primal"`` and ``"dual"`` force a form; a
+    forced dual whose system exceeds ``memory_bytes`` is refused too (its
+    clients would each draw an n_i x n_i rotation of the same order).
 
     Parameters
     ----------
@@ -442,20 +462,26 @@ def solve_form(server_solve: str, position: int, d: int, rows: int | None, n_rhs
     if server_solve not in SERVER_SOLVES:
         raise ValueError(f"server_solve must be one of {SERVER_SOLVES}, got {server_solve!r}")
     gram_bytes = d * d * itemsize
-    record = {"gram_bytes": gram_bytes, "memory_bytes": int(memory_bytes)}
+    record = {"gram_bytes": gram_bytes, "primal_bytes": primal_bytes(d, itemsize, gcv),
+              "memory_bytes": int(memory_bytes)}
     if rows is not None:
-        record.update(rows=int(rows), dual_bytes=int(rows) * int(rows) * 8,
-                      flops=fastls.proximal_cost(rows, d, n_rhs))
+        record.update(rows=int(rows), dual_bytes=dual_bytes(rows, gcv), flops=fastls.proximal_cost(rows, d, n_rhs))
+    if server_solve == "dual" and rows is not None and record["dual_bytes"] > memory_bytes:
+        raise ValueError(f"layer {position + 1}: --server-solve dual would solve an N x N system over a group's "
+                         f"{rows} rows ({record['dual_bytes'] / 2**30:.1f} GiB{' with GCV' if gcv else ''}), over "
+                         f"the server's memory budget of {memory_bytes / 2**30:.1f} GiB: use --server-solve auto "
+                         f"(the primal wherever the Gram fits), raise --server-memory, or use more groups")
     if server_solve != "auto":
         return server_solve, record
-    if gram_bytes <= memory_bytes or rows is None:
+    if record["primal_bytes"] <= memory_bytes or rows is None:
         return "primal", record
     if record["dual_bytes"] <= memory_bytes:
         return "dual", record
-    raise ValueError(f"layer {position + 1}: neither its d x d Gram (d = {d}, {gram_bytes / 2**30:.1f} GiB) nor its "
-                     f"dual system over a group's {rows} rows ({record['dual_bytes'] / 2**30:.1f} GiB) fits the "
-                     f"server's memory budget of {memory_bytes / 2**30:.1f} GiB: raise server_memory "
-                     f"(--server-memory), use a narrower model, or fewer rows per group (more groups)")
+    raise ValueError(f"layer {position + 1}: neither its primal solve (d = {d}: Grams of "
+                     f"{record['primal_bytes'] / 2**30:.1f} GiB) nor its dual system over a group's {rows} rows "
+                     f"({record['dual_bytes'] / 2**30:.1f} GiB) fits the server's memory budget of "
+                     f"{memory_bytes / 2**30:.1f} GiB{' (with GCV)' if gcv else ''}: raise server_memory "
+                     f"(--server-memory), use a fixed gamma, a narrower model, or fewer rows per group (more groups)")
 
 
 def choose_solver(gamma: float | str, gamma_scope: str, n_groups: int, basis: np.ndarray | None,

@@ -40,7 +40,7 @@ from ..timing import Clock, RoundLog, payload_bytes
 from ..transport import Transport, overall_accuracy
 from .grouping import cluster, merge_small_groups
 from .secure_sums import SecureSums
-from .solvers import LayerSolver, RowStack, SummedStatistics, choose_solver, solve_form
+from .solvers import LayerSolver, RowStack, SummedStatistics, choose_solver, primal_bytes, solve_form
 from .state import ServerState, shareable
 
 __all__ = ["AllClientsDropped", "ModelLayers", "ProtocolRun", "VARIANTS", "Variant", "adaptive_batch_sizes",
@@ -275,7 +275,8 @@ def plan_forms(run: ProtocolRun, state: ServerState) -> list[tuple[str, dict]]:
     memory = options.memory_bytes
     itemsize = np.dtype(options.stat_dtype).itemsize
     shapes = run.layer_shapes
-    wide = shapes is not None and any(d * d * itemsize > memory for d, _ in shapes)
+    gcv = [options.gamma_of(position, n_layers) == "auto" for position in range(n_layers)]
+    wide = shapes is not None and any(primal_bytes(d, itemsize, gcv[p]) > memory for p, (d, _) in enumerate(shapes))
     if options.server_solve == "dual" or (options.server_solve == "auto" and wide):
         args = {cid: {} for cid in run.transport.client_ids}
         run.rows = {cid: list(result["rows"]) for cid, result in run.transport.call(ClientMethod.TRAIN_ROWS, args)}
@@ -285,7 +286,10 @@ def plan_forms(run: ProtocolRun, state: ServerState) -> list[tuple[str, dict]]:
         basis = run.target_bases[position] if run.target_bases else None
         group_rows = _group_rows(run, state, position)
         form, record = solve_form(options.server_solve, position, d, max(group_rows.values()) if group_rows else None,
-                                  n_out if basis is None else basis.shape[0], memory, itemsize)
+                                  n_out if basis is None else basis.shape[0], memory, itemsize, gcv[position])
+        if form == "dual":  # a gamma the dual cannot choose is refused now, not after the layers before it
+            choose_solver(options.gamma_of(position, n_layers), options.gamma_scope, state.n_groups, basis,
+                          form="dual", position=position)
         if form == "dual" and run.secure is not None:
             raise ValueError(
                 f"layer {position + 1} (d = {d}) must be solved in the dual: its Gram takes "

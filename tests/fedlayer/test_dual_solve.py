@@ -19,7 +19,7 @@ from fedlayer.secure import SecureServer
 from fedlayer.secure_client import SecureClient
 from fedlayer.server import ModelLayers, Variant, run_protocol
 from fedlayer.server.solvers import (DUAL_BLOCK_FEATURES, DualSolve, FactoredRows, RowStack, _column_blocks,
-                                     choose_solver, dual_gram, solve_form)
+                                     choose_solver, dual_bytes, dual_gram, primal_bytes, solve_form)
 from fedlayer.transport import InProcessTransport
 from tests.fedlayer.cases import N_CLASSES, client_data
 from tests.numeric_checks import assert_close
@@ -165,16 +165,31 @@ def test_the_dual_gram_and_solve_read_the_stack_in_blocks_of_columns(rng):
     assert relative(W, fastls.ridge_solve(F64.T @ F64, F64.T @ UZ, 2.0)) <= 1e-5
 
 
-def test_the_cost_rule_takes_the_primal_wherever_the_gram_fits():
-    assert solve_form("auto", 0, 100, 50, 4, memory_bytes=100 * 100 * 8)[0] == "primal"
-    form, record = solve_form("auto", 0, 100, 50, 4, memory_bytes=100 * 100 * 8 - 1)
+def test_the_cost_rule_takes_the_primal_wherever_its_grams_fit():
+    # The primal holds a group's summed Gram and one arriving client's: 2 d^2 values.
+    assert solve_form("auto", 0, 100, 50, 4, memory_bytes=2 * 100 * 100 * 8)[0] == "primal"
+    form, record = solve_form("auto", 0, 100, 50, 4, memory_bytes=2 * 100 * 100 * 8 - 1)
     assert form == "dual" and record["dual_bytes"] == 50 * 50 * 8 and set(record["flops"]) == {"primal", "dual"}
+    assert record["primal_bytes"] == primal_bytes(100) == 2 * 100 * 100 * 8 and record["gram_bytes"] == 100 * 100 * 8
     assert solve_form("auto", 0, 100, None, 4, memory_bytes=1)[0] == "primal"  # rows unknown: as before
     assert solve_form("dual", 0, 10, 50, 4, memory_bytes=10**9)[0] == "dual"
     assert solve_form("primal", 0, 100, 50, 4, memory_bytes=1)[0] == "primal"
-    with pytest.raises(ValueError, match=r"layer 3: neither its d x d Gram \(d = 100, .* nor its dual system over "
+    with pytest.raises(ValueError, match=r"layer 3: neither its primal solve \(d = 100: .* nor its dual system over "
                                          r"a group's 200 rows"):
-        solve_form("auto", 2, 100, 200, 4, memory_bytes=100 * 100 * 8 - 1)
+        solve_form("auto", 2, 100, 200, 4, memory_bytes=2 * 100 * 100 * 8 - 1)
+
+
+def test_gcv_counts_its_eigendecomposition_in_both_forms():
+    assert primal_bytes(100, 8, gcv=True) == 4 * 100 * 100 * 8 and dual_bytes(50, gcv=True) == 3 * 50 * 50 * 8
+    assert solve_form("auto", 0, 100, 50, 4, memory_bytes=2 * 100 * 100 * 8, gcv=True)[0] == "dual"
+    with pytest.raises(ValueError, match=r"\(with GCV\)"):
+        solve_form("auto", 0, 100, 50, 4, memory_bytes=3 * 50 * 50 * 8 - 1, gcv=True)
+
+
+def test_a_forced_dual_over_the_budget_is_refused():
+    with pytest.raises(ValueError, match=r"layer 2: --server-solve dual would solve an N x N system over a group's "
+                                         r"50 rows .* use --server-solve auto"):
+        solve_form("dual", 1, 10, 50, 4, memory_bytes=50 * 50 * 8 - 1)
 
 
 def test_gcv_pooled_over_groups_with_the_dual_is_refused_naming_the_alternatives():
@@ -409,3 +424,18 @@ def test_a_mapped_stack_s_pages_leave_the_process_and_its_rows_stay(tmp_path, rn
     del rows
     stack.close()
     assert not list(tmp_path.iterdir())
+
+
+def test_gcv_pooled_over_groups_in_a_dual_layer_is_refused_before_any_layer_trains(rng, monkeypatch):
+    """The refusal comes from planning the layers' forms, not from the dual layer's own round."""
+    model, x, y, parts = _dnn_case(rng, np.float64, n=40, n_clients=4)
+    called = []
+    for method in ("local_stats", "factored_rows"):
+        real = getattr(Client, method)
+        monkeypatch.setattr(Client, method, lambda self, *a, _real=real, _m=method, **k: called.append(_m)
+                            or _real(self, *a, **k))
+    # With GCV, layer 1 (d = 13) and layer 3 (d = 17) fit 30,000 bytes in the primal, layer 2 (d = 33: 34,848
+    # bytes) only in the dual, over a group's at most 30 rows (21,600 bytes).
+    with pytest.raises(ValueError, match=r"layer 2 is solved in the dual .* gamma_scope='all'"):
+        _run(model, x, y, parts, PFEDACNNL, gamma="auto", gamma_scope="all", server_memory=30000 / 2**30)
+    assert called == []
