@@ -46,6 +46,18 @@ _LOO_BATCH_VALUES = 1 << 20
 _LOG_TOLERANCE = 0.01
 
 
+def _rows_basis(rhs_basis, Z):
+    """``rhs_basis`` as float64 (None stays None), checked against rows ``Z`` that hold its coordinates."""
+    if rhs_basis is None:
+        return None
+    _check_array("rhs_basis", rhs_basis, 2)
+    basis = np.asarray(rhs_basis, dtype=np.float64)
+    if basis.shape[0] != Z.shape[1] or basis.shape[0] >= basis.shape[1]:
+        raise ValueError(f"with rhs_basis of shape {basis.shape}, Z must hold its {basis.shape[0]} "
+                         f"coordinates per row, got shape {Z.shape}")
+    return basis
+
+
 class RidgePath:
     """Ridge regressions of R on X for every shift, from one factorization.
 
@@ -195,13 +207,8 @@ class RidgePath:
             _check_array("rhs_basis", rhs_basis, 2)
         m = R.shape[1] if rhs_basis is None else rhs_basis.shape[1]
         M = None if center is None else _check_center(center, (X.shape[1], m))
-        basis = None
-        if rhs_basis is not None:
-            _check_array("rhs_basis", rhs_basis, 2)
-            basis = np.asarray(rhs_basis, dtype=np.float64)
-            if basis.shape[0] != R.shape[1] or basis.shape[0] >= basis.shape[1]:
-                raise ValueError(f"with rhs_basis of shape {basis.shape}, Z must hold its {basis.shape[0]} "
-                                 f"coordinates per row, got shape {Z.shape}")
+        basis = _rows_basis(rhs_basis, Z)
+        if basis is not None:
             if M is not None:
                 M, _ = _basis_coordinates("center", M, basis, np.float64)
         Z64 = R
@@ -255,13 +262,7 @@ class RidgePath:
         n_features = _check_rows(n_features)
         _check_finite_upper(K)
         _check_finite("Z", Z)
-        basis = None
-        if rhs_basis is not None:
-            _check_array("rhs_basis", rhs_basis, 2)
-            basis = np.asarray(rhs_basis, dtype=np.float64)
-            if basis.shape[0] != Z.shape[1] or basis.shape[0] >= basis.shape[1]:
-                raise ValueError(f"with rhs_basis of shape {basis.shape}, Z must hold its {basis.shape[0]} "
-                                 f"coordinates per row, got shape {Z.shape}")
+        basis = _rows_basis(rhs_basis, Z)
         K64 = np.asarray(K, dtype=np.float64)
         R = np.asarray(Z, dtype=np.float64)
         # LAPACK works in place only on Fortran order: a C-ordered K's upper triangle is its transpose's lower.
