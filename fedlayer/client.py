@@ -245,6 +245,12 @@ class Client:
         How it computes, caches and fails (:class:`fedlayer.options.ClientOptions`;
         :meth:`~fedlayer.options.ClientOptions.from_config` for a run's).
 
+    Raises
+    ------
+    ValueError
+        ``data`` has no training samples: such a client has no statistics to
+        send and no label summary to group it by.
+
     Notes
     -----
     Layer-wise training passes every sample through each layer once per
@@ -259,6 +265,9 @@ class Client:
         options = ClientOptions() if options is None else options
         self.options = options
         self.client_id = int(client_id)
+        if data.n_train == 0:
+            raise ValueError(f"client {client_id} has no training samples; a client needs at least one (it has "
+                             f"no statistics to send, nor a label summary to be grouped by)")
         self.data = data
         self.model = Model.from_config(model_config)
         self.seed = int(seed)

@@ -301,6 +301,14 @@ class RowStack:
         self.F = np.ndarray(shape, dtype=dtype, buffer=self._map)
 
 
+def remove_stale_stacks(folder: str | os.PathLike | None) -> None:
+    """Remove the stacked-row files a killed run left in ``folder``: a stack lives for one group's solve, so
+    at the start of a run every such file is stale (tens of GB at full width), and nothing reads it again."""
+    if folder is not None:
+        for path in Path(folder).glob("rows_layer*_group*.rows"):
+            path.unlink(missing_ok=True)
+
+
 def _reserve(file, nbytes, path):
     """Give the file its ``nbytes`` now, its blocks allocated where the filesystem can: a full disk is then an
     error here, not a SIGBUS when a write through the mapping finds no block."""

@@ -40,7 +40,8 @@ from ..timing import Clock, RoundLog, payload_bytes
 from ..transport import Transport, overall_accuracy
 from .grouping import cluster, merge_small_groups
 from .secure_sums import SecureSums
-from .solvers import LayerSolver, RowStack, SummedStatistics, choose_solver, primal_bytes, solve_form
+from .solvers import (LayerSolver, RowStack, SummedStatistics, choose_solver, primal_bytes, remove_stale_stacks,
+                      solve_form)
 from .state import ServerState, shareable
 
 __all__ = ["AllClientsDropped", "ModelLayers", "ProtocolRun", "VARIANTS", "Variant", "adaptive_batch_sizes",
@@ -217,6 +218,7 @@ def initialize(run: ProtocolRun, resume: ServerState | None = None) -> ServerSta
     and rounds; its finished layers are sent to the clients again.
     """
     transport, options = run.transport, run.options
+    remove_stale_stacks(options.scratch_dir)
     if resume is not None:
         state = resume
         state.group_weights = {k: [shareable(W, options.weights_in) for W in layers]
@@ -440,10 +442,8 @@ def _take_rows(run, state, layer, k, args, on_client=None):
                         parts=stats.parts)
             del result
         log.dropped.update({cid: str(why) for cid, why in dropped.items()})
-        if stack.rows == 0:
-            if dropped:
-                _all_dropped(k, position, dropped)
-            return
+        if stack.rows == 0:  # every client holds a row (Client refuses an empty split): all of them dropped
+            _all_dropped(k, position, dropped)
         layer.solve.setdefault("mapped", {})[str(k)] = stack.mapped
         start = time.perf_counter()
         W = layer.solver.add(k, stack.stacked(), log.selection)
