@@ -122,7 +122,9 @@ def shared_checkpoint(algorithm, args):
         except ValueError as err:
             print(f"{algorithm}: not resuming from {checkpoint} ({err})", flush=True)
             continue
-        if state["layers_done"] != N_LAYERS:
+        # Another run's stage counts when finished; this run's own checkpoint also after any finished layer
+        # (a full-width 'same' round takes most of an hour: a killed run continues, it does not start over).
+        if state["layers_done"] != N_LAYERS and (source != algorithm or state["layers_done"] == 0):
             continue
         if source != algorithm:
             measured = json.loads(source_json.read_text())["fig6"]
@@ -134,6 +136,7 @@ def shared_checkpoint(algorithm, args):
         wall = sum(sum(c["compute_s"] for c in r["clients"].values()) + r["server_s"] + (r.get("eval_s") or 0.0)
                    for r in rounds)
         return {"checkpoint": str(checkpoint), "from": source, "wall_s": wall, "peak_rss_bytes": None,
+                "layers_done": state["layers_done"],
                 "wall": "the sum of the parts measured by its interrupted run (clients' compute, server solves, "
                         "evaluations; its own clock and peak memory were lost with it)"}
     return None
@@ -328,9 +331,15 @@ def report(args):
             rss = max(rss, shared["peak_rss_bytes"] or 0)
             memory = ("the larger of the two processes'" if shared["peak_rss_bytes"]
                       else "the resumed process's only")
-            notes.append(f"{algorithm}: its federated stage was trained by {shared['from']}'s run and resumed from "
-                         f"its checkpoint; wall time = that stage's ({shared['wall']}) "
-                         f"+ its own personalization's; times per client over both stages; peak memory {memory}.")
+            if shared["from"] == algorithm:
+                done = shared.get("layers_done", N_LAYERS)
+                notes.append(f"{algorithm}: an interrupted run of it trained its first {done} layer(s), and this run "
+                             f"resumed from its checkpoint; wall time = those layers' ({shared['wall']}) + this run's; "
+                             f"peak memory {memory}.")
+            else:
+                notes.append(f"{algorithm}: its federated stage was trained by {shared['from']}'s run and resumed "
+                             f"from its checkpoint; wall time = that stage's ({shared['wall']}) + its own "
+                             f"personalization's; times per client over both stages; peak memory {memory}.")
         evaluation = sum(r.get("eval_s") or 0.0 for r in results["rounds"].values())
         lines.append(
             f"| {algorithm} | {100 * results['accuracy']:.2f} | {PAPER.get(algorithm, '-')} | {t['total_s']:.1f} | "
