@@ -2,6 +2,7 @@
 solve (no data needed)."""
 
 import dataclasses
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -10,7 +11,7 @@ from fedlayer.client import personalization_costs, target_bases
 from fedlayer.data import ClientData, FederatedDataset
 from fedlayer.models import build_model
 from fedlayer.run import run
-from fig6_cifar import config_for, dual_ids, factored_upload_flops
+from fig6_cifar import PeakDisk, allocated_bytes, config_for, dual_ids, factored_upload_flops
 
 
 def test_dual_clients_follow_the_recorded_form_else_the_clients_cost_rule():
@@ -62,3 +63,16 @@ def test_the_floor_of_a_factored_upload_is_the_rotation_times_the_rows():
     classifier = len(model.trainable) - 1  # one row per image, 8 * 8 * 32 + 1 inputs
     assert factored_upload_flops(model, classifier, [3, 5]) == sum(2.0 * n * n * 2049 + 4.0 / 3.0 * n ** 3
                                                                   for n in (3, 5))
+
+
+def test_the_peak_disk_counts_a_file_that_came_and_went_while_sampled(tmp_path):
+    with PeakDisk(tmp_path, period_s=0.01) as disk:
+        big = tmp_path / "cache" / "activations.npy"
+        big.parent.mkdir()
+        big.write_bytes(np.random.default_rng(0).bytes(3_000_000))
+        deadline = time.monotonic() + 30
+        while disk.peak < 3_000_000 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        big.unlink()
+    assert 3_000_000 <= disk.peak < 3_100_000
+    assert allocated_bytes(tmp_path) < 100_000
