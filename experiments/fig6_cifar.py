@@ -263,6 +263,18 @@ def factored_upload_flops(model, position, samples):
     return sum(2.0 * n * n * d + 4.0 / 3.0 * n ** 3 for n in rows)
 
 
+def dual_server_note(record, position, rate):
+    """What the server's solve of a dual round cost against its flops (``proximal_cost``'s dual count:
+    K = F F^T, the N x N Cholesky, F^T alpha) at the float32 gemm ``rate``; K's products are float32."""
+    solve = record["solve"]
+    flops, seconds = solve["flops"]["dual"], record["server_s"]
+    mapped = "memory-mapped" if any(solve.get("mapped", {}).values()) else "in RAM"
+    return (f"layer {position + 1} was solved by the server in the dual over a group's N = {solve['rows']:,} rows "
+            f"(stacked {mapped}; its N x N system {solve['dual_bytes'] / 2**30:.1f} GiB, the primal's Grams "
+            f"{solve['primal_bytes'] / 2**30:.0f} GiB): {flops / 1e12:.0f} TFLOP in {seconds:.0f} s, "
+            f"{flops / seconds / 1e9:.0f} GFLOP/s, {flops / rate:.0f} s at the float32 gemm rate.")
+
+
 def dual_ids(record, model, position, dataset, basis):
     """Ids (keys of ``record["clients"]``) of the clients that solved this personalization round in the dual.
 
@@ -445,6 +457,7 @@ def report(args):
             "server solve s | evaluation s |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
+        dual_notes = []
         for record in results["rounds"].values():
             if record["stage"] == "initialization":
                 continue
@@ -472,6 +485,9 @@ def report(args):
             lines.append(
                 f"| {record['stage']} | {position + 1} | {forward:.1f} | {stats:.1f} | {solve:.1f} | {floor:.1f} | "
                 f"{ratio:.2f} | {record['server_s']:.1f} | {record.get('eval_s', 0.0):.1f} |")
+            if record.get("solve", {}).get("form") == "dual":
+                dual_notes.append(dual_server_note(record, position, rate))
+        lines += [""] + [f"- {note}" for note in dual_notes] if dual_notes else []
     lines += [
         "",
         "The floor counts the forward pass into the layer by the method the run used (im2col: 2 N P d m; "

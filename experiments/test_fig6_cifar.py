@@ -11,7 +11,7 @@ from fedlayer.client import personalization_costs, target_bases
 from fedlayer.data import ClientData, FederatedDataset
 from fedlayer.models import build_model
 from fedlayer.run import run
-from fig6_cifar import PeakDisk, allocated_bytes, config_for, dual_ids, factored_upload_flops
+from fig6_cifar import PeakDisk, allocated_bytes, config_for, dual_ids, dual_server_note, factored_upload_flops
 
 
 def test_dual_clients_follow_the_recorded_form_else_the_clients_cost_rule():
@@ -56,6 +56,11 @@ def test_same_padding_runs_its_classifier_through_the_dual_at_a_server_memory_it
     assert forms == ["primal"] * 4 + ["dual"]
     for W_dual, W_primal in zip(dual["group_weights"][0], primal["group_weights"][0]):
         assert np.linalg.norm(W_dual - W_primal) <= 1e-5 * np.linalg.norm(W_primal)
+    record = list(dual["rounds"].values())[-1]
+    rows = sum(len(c.y_train) for c in dataset.clients[:3])
+    note = dual_server_note(record, 4, rate=1e9)
+    assert note.startswith(f"layer 5 was solved by the server in the dual over a group's N = {rows:,} rows (stacked ")
+    assert f"{record['solve']['flops']['dual'] / 1e9:.0f} s at the float32 gemm rate" in note
 
 
 def test_the_floor_of_a_factored_upload_is_the_rotation_times_the_rows():
