@@ -124,6 +124,10 @@ class ModelLayers:
     bases: Sequence | None = None
     shapes: Sequence | None = None
 
+    def basis(self, position: int) -> np.ndarray | None:
+        """Q_l of layer ``position`` (None: its targets are the one-hot labels, or no codes were given)."""
+        return self.bases[position] if self.bases else None
+
 
 @dataclass
 class ProtocolRun:
@@ -138,19 +142,12 @@ class ProtocolRun:
     options : ServerOptions
     first_batch, max_batch : dict cid -> int
         B_1^i and B_max^i (:meth:`fedlayer.options.BatchPolicy.sizes`).
-    target_bases : list of (ndarray or None) or None
-        Per layer, the label code Q_l the clients' targets were made with
-        (:func:`fedlayer.client.target_bases`); the server solves on its
-        coordinates (:func:`fastls.ridge_solve`'s ``rhs_basis``).
+    layers : ModelLayers
+        The trainable layers' label codes and least-squares shapes.
     secure : SecureSums or None
     clock : Clock
     progress : callable(str) or None
     checkpoint : Checkpointing or None
-    layer_shapes : list of (int, int) or None
-        Per layer, its least-squares (inputs, outputs), bias included: what
-        the cost rule of :func:`~fedlayer.server.solvers.solve_form` sizes
-        the Gram by. None: every layer is solved in the primal unless
-        ``options.server_solve`` forces the dual.
     forms : list of (str, dict) or None
         Per layer, "primal" or "dual" and the record of the choice
         (:func:`plan_forms`, after :func:`initialize`).
@@ -164,12 +161,11 @@ class ProtocolRun:
     options: ServerOptions
     first_batch: dict
     max_batch: dict
-    target_bases: Sequence | None = None
+    layers: ModelLayers = field(default_factory=ModelLayers)
     secure: SecureSums | None = None
     clock: Clock = field(default_factory=Clock)
     progress: Callable[[str], None] | None = None
     checkpoint: Checkpointing | None = None
-    layer_shapes: Sequence | None = None
     forms: list | None = None
     rows: dict = field(default_factory=dict)
 
@@ -276,7 +272,7 @@ def plan_forms(run: ProtocolRun, state: ServerState) -> list[tuple[str, dict]]:
     options, n_layers = run.options, run.n_layers
     memory = options.memory_bytes
     itemsize = np.dtype(options.stat_dtype).itemsize
-    shapes = run.layer_shapes
+    shapes = run.layers.shapes
     gcv = [options.gamma_of(position, n_layers) == "auto" for position in range(n_layers)]
     wide = shapes is not None and any(primal_bytes(d, itemsize, gcv[p]) > memory for p, (d, _) in enumerate(shapes))
     if options.server_solve == "dual" or (options.server_solve == "auto" and wide):
@@ -285,7 +281,7 @@ def plan_forms(run: ProtocolRun, state: ServerState) -> list[tuple[str, dict]]:
     forms = []
     for position in range(n_layers):
         d, n_out = shapes[position] if shapes is not None else (0, 0)
-        basis = run.target_bases[position] if run.target_bases else None
+        basis = run.layers.basis(position)
         group_rows = _group_rows(run, state, position)
         form, record = solve_form(options.server_solve, position, d, max(group_rows.values()) if group_rows else None,
                                   n_out if basis is None else basis.shape[0], memory, itemsize, gcv[position])
@@ -335,7 +331,7 @@ def train_layer(run: ProtocolRun, state: ServerState, position: int) -> None:
     """One federated round: layer ``position`` trained, sent to the clients, recorded (and checkpointed)."""
     log = RoundLog("federated", position, run.clock)
     log.batch = dict(state.batch)
-    basis = run.target_bases[position] if run.target_bases else None
+    basis = run.layers.basis(position)
     gamma = run.options.gamma_of(position, run.n_layers)
     n_groups = state.n_groups
     form, plan = run.forms[position] if run.forms else ("primal", {})
@@ -564,9 +560,9 @@ def run_protocol(transport: Transport, n_layers: int, variant: Variant, options:
     """
     options = ServerOptions() if options is None else options
     first_batch, max_batch = options.batch.sizes(transport.client_ids)
-    layers = ModelLayers() if layers is None else layers
-    run = ProtocolRun(transport, n_layers, variant, options, first_batch, max_batch, layers.bases,
-                      None if secure is None else SecureSums(secure), clock, progress, checkpoint, layers.shapes)
+    run = ProtocolRun(transport, n_layers, variant, options, first_batch, max_batch,
+                      ModelLayers() if layers is None else layers, None if secure is None else SecureSums(secure),
+                      clock, progress, checkpoint)
     state = initialize(run, resume)
     run.forms = plan_forms(run, state)
     for position in range(state.layers_done, n_layers):
