@@ -156,6 +156,10 @@ def allocated_bytes(folder):
     return total
 
 
+#: Seconds between two samples of a run's disk use (:class:`PeakDisk`).
+DISK_SAMPLE_S = 10.0
+
+
 class PeakDisk:
     """The most disk a folder took while the ``with`` block ran, sampled every ``period_s`` seconds in a thread.
 
@@ -163,7 +167,7 @@ class PeakDisk:
     tens of GB (the issue asks for the disk a run uses to be stated).
     """
 
-    def __init__(self, folder, period_s=10.0):
+    def __init__(self, folder, period_s=DISK_SAMPLE_S):
         self.folder, self.period_s, self.peak = Path(folder), float(period_s), 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -398,7 +402,7 @@ def report(args):
                              f"personalization's; times per client over both stages; peak memory {memory}.")
         if f.get("peak_disk_bytes") is not None:
             notes.append(f"{algorithm}: peak disk under its output folder {f['peak_disk_bytes'] / 1e9:.1f} GB "
-                         f"({f.get('peak_disk_how', 'sampled every 10 s during the run')}): cached activations, "
+                         f"(sampled every {DISK_SAMPLE_S:g} s during the run): cached activations, "
                          f"checkpoint, model, and the server's stacked rows of a layer solved in the dual.")
         evaluation = sum(r.get("eval_s") or 0.0 for r in results["rounds"].values())
         lines.append(
@@ -487,7 +491,8 @@ def report(args):
                 f"{ratio:.2f} | {record['server_s']:.1f} | {record.get('eval_s', 0.0):.1f} |")
             if record.get("solve", {}).get("form") == "dual":
                 dual_notes.append(dual_server_note(record, position, rate))
-        lines += [""] + [f"- {note}" for note in dual_notes] if dual_notes else []
+        if dual_notes:
+            lines += [""] + [f"- {note}" for note in dual_notes]
     lines += [
         "",
         "The floor counts the forward pass into the layer by the method the run used (im2col: 2 N P d m; "
