@@ -29,7 +29,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -191,44 +191,78 @@ def _rows_in_ram() -> None:
 class FactoredRows:
     """One group's factored uploads of a layer, stacked: F = [U_i X_i] (rows, d) and UZ = [U_i Z_i] (rows, k).
 
-    F^T F and F^T UZ are the group's sums X^T X and X^T Z. ``release()``,
-    called after each pass over a block of F, drops the block's pages from
-    the process where F is a memory-mapped file (its file and the page
-    cache keep them): the stack's pages then never count as the process's
-    memory.
+    F is held as column panels, ``panels[p]`` = F[:, columns of panel p],
+    each C-ordered: a pass over F's columns then reads each panel in one
+    sequential run, where a memory-mapped row-major F would fault in a few
+    KiB of every row against the disk's readahead. F^T F and F^T UZ are the
+    group's sums X^T X and X^T Z. ``release()``, called after each pass over
+    a block of F, drops the block's pages from the process where F is a
+    memory-mapped file (its file and the page cache keep them): the stack's
+    pages then never count as the process's memory.
     """
 
-    F: np.ndarray
+    panels: list[np.ndarray]
     UZ: np.ndarray
     release: Callable[[], None] = _rows_in_ram
+
+    @classmethod
+    def from_rows(cls, F: np.ndarray, UZ: np.ndarray, panel_features: int = DUAL_BLOCK_FEATURES) -> FactoredRows:
+        """Rows held as one (rows, d) array, as panels of ``panel_features`` columns (views of F)."""
+        return cls([F[:, first:first + panel_features] for first in range(0, F.shape[1], panel_features)], UZ)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, d) of F."""
+        return len(self.UZ), sum(panel.shape[1] for panel in self.panels)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.panels[0].dtype
+
+    def column_blocks(self, itemsize: int, block_bytes: int) -> Iterator[tuple[slice, np.ndarray]]:
+        """Yield ``(columns, F[:, columns])`` panel by panel, each block at most ``block_bytes`` of the rows at
+        ``itemsize`` (at least one column), and ``release()`` once the caller is done with each."""
+        rows, first = len(self.UZ), 0
+        for panel in self.panels:
+            width = panel.shape[1]
+            for columns in _column_blocks(rows, width, itemsize, block_bytes):
+                stop = min(columns.stop, width)
+                yield slice(first + columns.start, first + stop), panel[:, columns.start:stop]
+                self.release()
+            first += width
 
 
 class RowStack:
     """The rows of one group's factored uploads, appended client by client: in RAM, or memory-mapped.
 
-    F is held row-major, (capacity, d): a client's rows are one contiguous
-    write. The dual solve reads it in blocks of :data:`DUAL_BLOCK_FEATURES`
-    columns or more, runs of at least 16 KiB per row (float32) of a file the
-    page cache need not hold; a stack held transposed would take each
-    client's rows as d scattered pieces smaller than a page instead.
+    F is held as column panels of ``panel_features`` columns, each
+    (capacity, width) and C-ordered, one after the other in one buffer: a
+    client's n rows are one contiguous write of n x width values per panel,
+    and the dual solve reads each panel as one sequential run (see
+    :class:`FactoredRows`).
 
     Parameters
     ----------
     capacity : int
         Rows the group's clients hold together (an upper bound: a dropout's rows never arrive).
     memory_bytes : int
-        What the stacked F may take in RAM; a larger one is a ``.npy`` file
+        What the stacked F may take in RAM; a larger one is a ``.rows`` file
         under ``folder``, removed by :meth:`close`.
     folder : path or None
         Where a memory-mapped stack goes (None: a temporary folder, removed with it).
     name : str
         The file's name, without extension.
+    panel_features : int
+        Columns per panel.
     """
 
-    def __init__(self, capacity: int, memory_bytes: int, folder: str | os.PathLike | None, name: str) -> None:
+    def __init__(self, capacity: int, memory_bytes: int, folder: str | os.PathLike | None, name: str,
+                 panel_features: int = DUAL_BLOCK_FEATURES) -> None:
         self.capacity, self.memory_bytes, self.name = int(capacity), int(memory_bytes), name
+        self.panel_features = int(panel_features)
         self.folder = None if folder is None else Path(folder)
-        self.F = self.UZ = None
+        self.panels = self.UZ = None
+        self.d = 0
         self.path = self._temporary = self._map = None
         self.rows = 0
 
@@ -239,23 +273,26 @@ class RowStack:
 
     def append(self, F: np.ndarray, UZ: np.ndarray) -> None:
         """Add one client's F (n, d) and UZ (n, k) below the rows already stacked."""
-        if self.F is None:
+        if self.panels is None:
             self._allocate(F.shape[1], F.dtype, UZ.shape[1], UZ.dtype)
         n = len(F)
-        if F.ndim != 2 or F.shape[1] != self.F.shape[1] or UZ.shape != (n, self.UZ.shape[1]):
+        if F.ndim != 2 or F.shape[1] != self.d or UZ.shape != (n, self.UZ.shape[1]):
             raise ValueError(f"{self.name}: a client's factored upload has F {F.shape} and UZ {UZ.shape}; the "
-                             f"group's have {self.F.shape[1]} and {self.UZ.shape[1]} columns and one row each per row")
+                             f"group's have {self.d} and {self.UZ.shape[1]} columns and one row each per row")
         if self.rows + n > self.capacity:
             raise ValueError(f"{self.name}: {self.rows + n} rows arrived, more than the {self.capacity} the group's "
                              f"clients announced")
-        self.F[self.rows:self.rows + n] = F
+        first = 0
+        for panel in self.panels:
+            panel[self.rows:self.rows + n] = F[:, first:first + panel.shape[1]]
+            first += panel.shape[1]
         self.UZ[self.rows:self.rows + n] = UZ
         self.rows += n
         self.release()
 
     def stacked(self) -> FactoredRows:
         """The rows that arrived (views of the stack)."""
-        return FactoredRows(self.F[:self.rows], self.UZ[:self.rows], self.release)
+        return FactoredRows([panel[:self.rows] for panel in self.panels], self.UZ[:self.rows], self.release)
 
     def release(self) -> None:
         """Unmap the pages of a memory-mapped stack from this process; the file keeps what was written.
@@ -268,7 +305,7 @@ class RowStack:
 
     def close(self) -> None:
         """Release the stack (and remove its file)."""
-        self.F = self.UZ = None
+        self.panels = self.UZ = None
         if self._map is not None:
             try:
                 self._map.close()
@@ -283,22 +320,27 @@ class RowStack:
             self._temporary = None
 
     def _allocate(self, d, dtype, k, rhs_dtype):
-        shape = (self.capacity, d)
+        self.d, dtype = int(d), np.dtype(dtype)
         self.UZ = np.empty((self.capacity, k), dtype=rhs_dtype)
-        if self.capacity * d * np.dtype(dtype).itemsize <= self.memory_bytes:
-            self.F = np.empty(shape, dtype=dtype)
-            return
-        folder = self.folder
-        if folder is None:
-            folder = self._temporary = Path(tempfile.mkdtemp(prefix="fedlayer-rows-"))
-        folder.mkdir(parents=True, exist_ok=True)
-        self.path = folder / f"{self.name}.rows"
-        nbytes = self.capacity * d * np.dtype(dtype).itemsize
-        with open(self.path, "w+b") as file:
-            _reserve(file, nbytes, self.path)
-            # A mapping of our own (not np.memmap's), so that release() can unmap its pages.
-            self._map = mmap.mmap(file.fileno(), max(nbytes, 1))
-        self.F = np.ndarray(shape, dtype=dtype, buffer=self._map)
+        nbytes = self.capacity * self.d * dtype.itemsize
+        if nbytes <= self.memory_bytes:
+            buffer = np.empty(self.capacity * self.d, dtype=dtype)
+        else:
+            folder = self.folder
+            if folder is None:
+                folder = self._temporary = Path(tempfile.mkdtemp(prefix="fedlayer-rows-"))
+            folder.mkdir(parents=True, exist_ok=True)
+            self.path = folder / f"{self.name}.rows"
+            with open(self.path, "w+b") as file:
+                _reserve(file, nbytes, self.path)
+                # A mapping of our own (not np.memmap's), so that release() can unmap its pages.
+                self._map = mmap.mmap(file.fileno(), max(nbytes, 1))
+            buffer = np.ndarray((self.capacity * self.d,), dtype=dtype, buffer=self._map)
+        self.panels = []
+        for first in range(0, self.d, self.panel_features):
+            width = min(self.panel_features, self.d - first)
+            start = self.capacity * first
+            self.panels.append(buffer[start:start + self.capacity * width].reshape(self.capacity, width))
 
 
 def remove_stale_stacks(folder: str | os.PathLike | None) -> None:
@@ -323,32 +365,29 @@ def _reserve(file, nbytes, path):
                                  f"--server-memory so that they stay in RAM", str(path)) from None
 
 
-def dual_gram(F: np.ndarray, block_bytes: int = DUAL_BLOCK_BYTES, release: Callable[[], None] = _rows_in_ram
-              ) -> np.ndarray:
+def dual_gram(rows: FactoredRows, block_bytes: int = DUAL_BLOCK_BYTES) -> np.ndarray:
     """K = F F^T (upper triangle, float64) over blocks of F's columns, F in RAM or memory-mapped.
 
-    Each block of columns is copied as a C-ordered (columns, n) array X, and
-    :func:`fastls.gram_update` adds X^T X to K (float32 blocks in float32
-    BLAS over its ``block_rows`` of them at a time, accumulated into float64
-    K, as the primal's Gram is).
+    Each block of columns (:meth:`FactoredRows.column_blocks`) is copied as
+    a C-ordered (columns, n) array X, and :func:`fastls.gram_update` adds
+    X^T X to K (float32 blocks in float32 BLAS over its ``block_rows`` of
+    them at a time, accumulated into float64 K, as the primal's Gram is).
 
     Parameters
     ----------
-    F : ndarray of shape (n, d), float32 or float64, any layout
+    rows : FactoredRows
+        F of shape (n, d), float32 or float64, as column panels.
     block_bytes : int
-        Largest block copied at once (at least :data:`DUAL_BLOCK_FEATURES` columns).
-    release : callable
-        Called after each block (:attr:`FactoredRows.release`).
+        Largest block copied at once (at least one column).
 
     Returns
     -------
     K : ndarray of shape (n, n), float64, upper triangle filled
     """
-    n, d = F.shape
+    n = rows.shape[0]
     K = np.zeros((n, n))
-    for columns in _column_blocks(n, d, F.dtype.itemsize, block_bytes):
-        fastls.gram_update(K, np.ascontiguousarray(F[:, columns].T), block_rows=DUAL_BLOCK_FEATURES)
-        release()
+    for _, block in rows.column_blocks(rows.dtype.itemsize, block_bytes):
+        fastls.gram_update(K, np.ascontiguousarray(block.T), block_rows=DUAL_BLOCK_FEATURES)
     return K
 
 
@@ -388,9 +427,9 @@ class DualSolve(LayerSolver):
         self.gamma, self.expand, self.block_bytes = gamma, expand, int(block_bytes)
 
     def _solve_group(self, k, rows, selection):
-        F, UZ = rows.F, rows.UZ
-        K = dual_gram(F, self.block_bytes, rows.release)
-        n, d = F.shape
+        UZ = rows.UZ
+        K = dual_gram(rows, self.block_bytes)
+        n, d = rows.shape
         if self.gamma == "auto":
             grid = fastls.DEFAULT_GRID * (float(np.trace(K)) / d if np.trace(K) > 0 else 1.0)
             path = fastls.RidgePath.from_kernel(K, UZ, d, rhs_basis=self.expand, overwrite_k=True)
@@ -403,9 +442,8 @@ class DualSolve(LayerSolver):
                                        overwrite_c=True)
         del K
         W = np.empty((d, alpha.shape[1]))
-        for columns in _column_blocks(n, d, 8, self.block_bytes):
-            W[columns] = fastls.matmul(np.asarray(F[:, columns], dtype=np.float64).T, alpha, check_finite=False)
-            rows.release()
+        for columns, block in rows.column_blocks(8, self.block_bytes):
+            W[columns] = fastls.matmul(np.asarray(block, dtype=np.float64).T, alpha, check_finite=False)
         if self.expand is not None:
             W = fastls.matmul(W, self.expand.astype(np.float64, copy=False), check_finite=False)
         return W

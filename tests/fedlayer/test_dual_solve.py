@@ -108,14 +108,15 @@ def test_the_dual_solve_is_the_ridge_solve_over_any_partition(sizes, gamma):
     n, d = sum(sizes), 70
     X, Z = rng.standard_normal((n, d)), rng.standard_normal((n, 3))
     F, UZ = _rotated_blocks(rng, X, Z, sizes)
-    W = DualSolve(gamma, None, 1).add(0, FactoredRows(F, UZ), {})
+    W = DualSolve(gamma, None, 1).add(0, FactoredRows.from_rows(F, UZ, panel_features=16), {})
     reference = fastls.ridge_solve(X.T @ X, X.T @ Z, gamma)
     assert relative(W, reference) <= 1e-10
 
 
 def test_the_dual_gram_of_float32_rows_accumulates_in_float64(rng):
     F = rng.standard_normal((30, 50)).astype(np.float32)
-    K = dual_gram(F, block_bytes=30 * 4 * 7)  # blocks of 7 columns
+    rows = FactoredRows.from_rows(F, rng.standard_normal((30, 2)), panel_features=20)
+    K = dual_gram(rows, block_bytes=30 * 4 * 7)  # blocks of 7 columns within panels of 20
     assert K.dtype == np.float64
     assert_close(np.triu(K), np.triu(F.astype(np.float64) @ F.T.astype(np.float64)), np.float32, n_terms=50)
 
@@ -124,7 +125,7 @@ def test_the_dual_expands_coordinates_in_the_label_code(rng):
     X, Y = rng.standard_normal((8, 20)), rng.standard_normal((8, 3))
     Q = rng.standard_normal((3, 11))
     U = haar_orthogonal(8)
-    W = DualSolve(5.0, Q, 1).add(0, FactoredRows(U @ X, U @ Y), {})
+    W = DualSolve(5.0, Q, 1).add(0, FactoredRows.from_rows(U @ X, U @ Y), {})
     reference = fastls.ridge_solve(X.T @ X, X.T @ (Y @ Q), 5.0)
     assert W.shape == (20, 11) and relative(W, reference) <= 1e-10
 
@@ -135,7 +136,7 @@ def test_a_row_stack_over_its_budget_is_a_file_removed_when_closed(tmp_path, rng
     stack.append(F[:4], UZ[:4])
     stack.append(F[4:], UZ[4:])
     assert stack.mapped and (tmp_path / "rows.rows").stat().st_size == 10 * 5 * 8 and stack.rows == 6
-    assert_close(stack.stacked().F, F, np.float64, rtol=0)
+    assert_close(np.hstack(stack.stacked().panels), F, np.float64, rtol=0)
     with pytest.raises(ValueError, match="rows: 12 rows arrived, more than the 10"):
         stack.append(F, UZ)
     stack.close()
@@ -143,7 +144,7 @@ def test_a_row_stack_over_its_budget_is_a_file_removed_when_closed(tmp_path, rng
     in_ram = RowStack(10, memory_bytes=10**6, folder=tmp_path, name="ram")
     in_ram.append(F, UZ)
     assert not in_ram.mapped and not list(tmp_path.iterdir())
-    assert_close(in_ram.stacked().F, F, np.float64, rtol=0)
+    assert_close(np.hstack(in_ram.stacked().panels), F, np.float64, rtol=0)
     temporary = RowStack(10, memory_bytes=100, folder=None, name="rows")
     temporary.append(F, UZ)
     folder = temporary.path.parent
@@ -152,14 +153,39 @@ def test_a_row_stack_over_its_budget_is_a_file_removed_when_closed(tmp_path, rng
     assert not folder.exists()
 
 
+def test_a_mapped_stack_holds_each_panel_of_columns_contiguously_in_its_file(tmp_path, rng):
+    """A pass over F's columns then reads the file sequentially, panel after panel, whatever the clients' sizes."""
+    capacity, d, width = 11, 10, 4
+    F, UZ = rng.standard_normal((9, d)).astype(np.float32), rng.standard_normal((9, 2))
+    stack = RowStack(capacity, memory_bytes=100, folder=tmp_path, name="rows", panel_features=width)
+    for first, stop in [(0, 2), (2, 7), (7, 9)]:
+        stack.append(F[first:stop], UZ[first:stop])
+    stack._map.flush()
+    on_disk = np.fromfile(stack.path, dtype=np.float32)
+    assert on_disk.size == capacity * d
+    first = 0
+    for columns in [slice(0, 4), slice(4, 8), slice(8, 10)]:
+        panel_size = capacity * (columns.stop - columns.start)
+        assert_close(on_disk[first:first + 9 * (columns.stop - columns.start)], F[:, columns].ravel(), np.float32,
+                     rtol=0)
+        first += panel_size
+    blocks = list(stack.stacked().column_blocks(4, block_bytes=9 * 4 * 3))
+    assert [columns for columns, _ in blocks] == [slice(0, 3), slice(3, 4), slice(4, 7), slice(7, 8), slice(8, 10)]
+    for columns, block in blocks:
+        assert block.flags.c_contiguous or block.shape[1] < width
+        assert_close(block, F[:, columns], np.float32, rtol=0)
+    stack.close()
+
+
 def test_the_dual_gram_and_solve_read_the_stack_in_blocks_of_columns(rng):
     F, UZ = rng.standard_normal((12, 40)).astype(np.float32), rng.standard_normal((12, 3))
-    stack = RowStack(15, memory_bytes=10**6, folder=None, name="rows")
+    stack = RowStack(15, memory_bytes=10**6, folder=None, name="rows", panel_features=16)
     stack.append(F[:5], UZ[:5])
     stack.append(F[5:], UZ[5:])
     rows = stack.stacked()
+    assert [panel.shape for panel in rows.panels] == [(12, 16), (12, 16), (12, 8)]
     F64 = F.astype(np.float64)
-    assert_close(np.triu(dual_gram(rows.F, block_bytes=12 * 4 * 9)), np.triu(F64 @ F64.T), np.float32, n_terms=40)
+    assert_close(np.triu(dual_gram(rows, block_bytes=12 * 4 * 9)), np.triu(F64 @ F64.T), np.float32, n_terms=40)
     W = DualSolve(2.0, None, 1, block_bytes=12 * 8 * 9).add(0, rows, {})
     # float32 rows are multiplied in float32 BLAS (as the primal's Gram is): the contract is 1e-5.
     assert relative(W, fastls.ridge_solve(F64.T @ F64, F64.T @ UZ, 2.0)) <= 1e-5
@@ -209,7 +235,7 @@ def test_gcv_from_the_kernel_chooses_the_gamma_of_gcv_from_the_gram(rng, n, expa
     Z = Y @ Q if expand else Y
     U = haar_orthogonal(n)
     selection = {}
-    W = DualSolve("auto", Q, 1).add(0, FactoredRows(U @ X, U @ Y), selection)
+    W = DualSolve("auto", Q, 1).add(0, FactoredRows.from_rows(U @ X, U @ Y), selection)
     path = fastls.RidgePath.from_statistics(X.T @ X, X.T @ Z, float(np.sum(Z * Z)), n, rhs_basis=Q)
     gamma, grid, scores = path.select("gcv")
     chosen = selection["all"]
@@ -432,7 +458,7 @@ def test_a_mapped_stack_s_pages_leave_the_process_and_its_rows_stay(tmp_path, rn
         stack.append(F[first:first + 16], UZ[first:first + 16])
     assert _resident_kib(stack.path) == 0
     rows = stack.stacked()
-    assert_close(rows.F, F, np.float32, rtol=0)  # read back from the file
+    assert_close(np.hstack(rows.panels), F, np.float32, rtol=0)  # read back from the file
     assert _resident_kib(stack.path) == 1024
     rows.release()
     assert _resident_kib(stack.path) == 0
