@@ -429,7 +429,7 @@ class DualSolve(LayerSolver):
     def _solve_group(self, k, rows, selection):
         UZ = rows.UZ
         K = dual_gram(rows, self.block_bytes)
-        n, d = rows.shape
+        d = rows.shape[1]
         if self.gamma == "auto":
             grid = fastls.DEFAULT_GRID * (float(np.trace(K)) / d if np.trace(K) > 0 else 1.0)
             path = fastls.RidgePath.from_kernel(K, UZ, d, rhs_basis=self.expand, overwrite_k=True)
