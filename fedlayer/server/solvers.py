@@ -208,7 +208,7 @@ class FactoredRows:
     @classmethod
     def from_rows(cls, F: np.ndarray, UZ: np.ndarray, panel_features: int = DUAL_BLOCK_FEATURES) -> FactoredRows:
         """Rows held as one (rows, d) array, as panels of ``panel_features`` columns (views of F)."""
-        return cls([F[:, first:first + panel_features] for first in range(0, F.shape[1], panel_features)], UZ)
+        return cls([F[:, columns] for columns in _panel_columns(F.shape[1], panel_features)], UZ)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -262,7 +262,7 @@ class RowStack:
         self.panel_features = int(panel_features)
         self.folder = None if folder is None else Path(folder)
         self.panels = self.UZ = None
-        self.d = 0
+        self.d, self.columns = 0, []
         self.path = self._temporary = self._map = None
         self.rows = 0
 
@@ -282,10 +282,8 @@ class RowStack:
         if self.rows + n > self.capacity:
             raise ValueError(f"{self.name}: {self.rows + n} rows arrived, more than the {self.capacity} the group's "
                              f"clients announced")
-        first = 0
-        for panel in self.panels:
-            panel[self.rows:self.rows + n] = F[:, first:first + panel.shape[1]]
-            first += panel.shape[1]
+        for panel, columns in zip(self.panels, self.columns):
+            panel[self.rows:self.rows + n] = F[:, columns]
         self.UZ[self.rows:self.rows + n] = UZ
         self.rows += n
         self.release()
@@ -336,11 +334,14 @@ class RowStack:
                 # A mapping of our own (not np.memmap's), so that release() can unmap its pages.
                 self._map = mmap.mmap(file.fileno(), max(nbytes, 1))
             buffer = np.ndarray((self.capacity * self.d,), dtype=dtype, buffer=self._map)
-        self.panels = []
-        for first in range(0, self.d, self.panel_features):
-            width = min(self.panel_features, self.d - first)
-            start = self.capacity * first
-            self.panels.append(buffer[start:start + self.capacity * width].reshape(self.capacity, width))
+        self.columns = _panel_columns(self.d, self.panel_features)
+        self.panels = [buffer[self.capacity * c.start:self.capacity * c.stop].reshape(self.capacity, c.stop - c.start)
+                       for c in self.columns]
+
+
+def _panel_columns(d, panel_features):
+    """The columns of F each panel holds: ``panel_features`` of them, the last panel what is left of d."""
+    return [slice(first, min(first + panel_features, d)) for first in range(0, d, panel_features)]
 
 
 def remove_stale_stacks(folder: str | os.PathLike | None) -> None:
