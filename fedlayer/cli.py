@@ -200,6 +200,12 @@ class _ProgressBar:
             self.start(None)
         self.bar.set_postfix_str(f"round {self.bar.n + 1}: {done}/{total} clients done")
 
+    def status(self, what):
+        """What the server does in the running round between the clients' deliveries and its end."""
+        if self.bar is None:
+            self.start(None)
+        self.bar.set_postfix_str(f"round {self.bar.n + 1}: {what}")
+
     def close(self):
         if self.bar is not None:
             self.bar.close()

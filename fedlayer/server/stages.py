@@ -193,6 +193,14 @@ class ProtocolRun:
         done, total = itertools.count(1), len(self.transport.client_ids)
         return lambda cid: within(next(done), total)
 
+    def status(self, what: str) -> None:
+        """Tell ``progress`` what the server does now that takes long without a client to count (a
+        ``status(what)`` method, when it has one): the dual solve and the evaluation of a full-width
+        round take minutes each."""
+        status = getattr(self.progress, "status", None)
+        if status is not None:
+            status(what)
+
     def timed_accuracy(self, log: RoundLog, evaluate: bool = True) -> float | None:
         """Overall test accuracy, its seconds kept in the round's log (evaluation is not training time).
 
@@ -200,6 +208,7 @@ class ProtocolRun:
         """
         if not evaluate:
             return None
+        self.status("evaluating on the test splits")
         start = time.perf_counter()
         accuracy = overall_accuracy(self.transport)
         log.eval_s = time.perf_counter() - start
@@ -441,6 +450,8 @@ def _take_rows(run, state, layer, k, args, on_client=None):
         if stack.rows == 0:  # every client holds a row (Client refuses an empty split): all of them dropped
             _all_dropped(k, position, dropped)
         layer.solve.setdefault("mapped", {})[str(k)] = stack.mapped
+        run.status(f"server solving group {k} in the dual over {stack.rows:,} rows" if state.n_groups > 1 else
+                   f"server solving in the dual over {stack.rows:,} rows")
         start = time.perf_counter()
         W = layer.solver.add(k, stack.stacked(), log.selection)
         layer.weights[k] = state.install(k, W, run.options.weights_in)

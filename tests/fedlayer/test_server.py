@@ -175,6 +175,28 @@ def test_the_progress_display_counts_the_clients_done_within_each_round(server_s
     assert len(rounds) == 6 and all(counts == [(i, 4) for i in range(1, 5)] for counts in rounds)
 
 
+class _ProgressWithStatus(_Progress):
+    """A progress display that also takes what the server does between the clients and the round's end."""
+
+    def status(self, what):
+        self.events.append(("status", what))
+
+
+def test_the_progress_display_says_when_the_server_solves_in_the_dual_and_evaluates():
+    clients = _fixture_clients()
+    progress = _ProgressWithStatus()
+    run_protocol(InProcessTransport(clients), 3, Variant(), ServerOptions(batch=BatchPolicy(7), server_solve="dual"),
+                 progress=progress)
+    rows = sum(c.train_rows()["rows"][0] for c in clients)
+    statuses = [event[1] for event in progress.events if event[0] == "status"]
+    assert statuses[0] == f"server solving in the dual over {rows:,} rows"
+    assert statuses.count("evaluating on the test splits") == 3
+    # Each status comes after the round's last client and before the round's end.
+    first = progress.events.index(("status", statuses[0]))
+    assert progress.events[first - 1] == (4, 4) and progress.events[first + 1] == ("status", statuses[1])
+    assert progress.events[first + 2][0] == "round"
+
+
 def test_the_progress_bar_shows_the_round_s_clients(capsys):
     from fedlayer.cli import _ProgressBar
 
@@ -183,4 +205,6 @@ def test_the_progress_bar_shows_the_round_s_clients(capsys):
     bar("layer 1/3 trained, accuracy 0.5000")
     bar.within_round(7, 10)
     assert bar.bar.postfix == "round 2: 7/10 clients done"
+    bar.status("server solving in the dual over 44,963 rows")
+    assert bar.bar.postfix == "round 2: server solving in the dual over 44,963 rows"
     bar.close()
