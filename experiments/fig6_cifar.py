@@ -71,10 +71,10 @@ PAPER = {"fedacnnl": 70.06, "pfedacnnl-wp": 74.03, "pfedacnnl-wc": 72.88, "pfeda
 PAPER_FEDAVG = 73.0
 
 
-def gemm_rate(n=4096, repeats=3):
-    """float32 gemm flops per second on this machine now (2 n^3 flops per product, best of ``repeats``)."""
+def gemm_rate(n=4096, repeats=3, dtype=np.float32):
+    """``dtype`` gemm flops per second on this machine now (2 n^3 flops per product, best of ``repeats``)."""
     rng = np.random.default_rng(0)
-    A, B = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    A, B = (rng.standard_normal((n, n)).astype(dtype) for _ in range(2))
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -191,7 +191,7 @@ class PeakDisk:
 def run_one(algorithm, args):
     """Run one algorithm in this process; write RUNS/ALGORITHM.json."""
     runs = Path(args.runs)
-    rate = gemm_rate()
+    rate, rate64 = gemm_rate(), gemm_rate(dtype=np.float64)
     shared = shared_checkpoint(algorithm, args)
     config = config_for(algorithm, args, output=str(Path(args.work) / algorithm), shared=shared)
     dataset = load_dataset(config)
@@ -206,6 +206,7 @@ def run_one(algorithm, args):
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_disk_bytes": disk.peak,
         "gemm_float32_flops_per_s": rate,
+        "gemm_float64_flops_per_s": rate64,  # the server's dual solve multiplies in float64
         "forward_methods": forward_methods(build_model("dcnn", dataset.feature_shape, dataset.n_classes,
                                                       width=args.width, padding=args.padding)),
         "width": args.width,
@@ -267,16 +268,17 @@ def factored_upload_flops(model, position, samples):
     return sum(2.0 * n * n * d + 4.0 / 3.0 * n ** 3 for n in rows)
 
 
-def dual_server_note(record, position, rate):
+def dual_server_note(record, position, rate, precision="float64"):
     """What the server's solve of a dual round cost against its flops (``proximal_cost``'s dual count:
-    K = F F^T, the N x N Cholesky, F^T alpha) at the float32 gemm ``rate``; K's products are float32."""
+    K = F F^T, the N x N Cholesky, F^T alpha) at the ``precision`` gemm ``rate``: float64, in which the
+    server multiplies, or float32 for the runs recorded before it did (their K's products were float32)."""
     solve = record["solve"]
     flops, seconds = solve["flops"]["dual"], record["server_s"]
     mapped = "memory-mapped" if any(solve.get("mapped", {}).values()) else "in RAM"
     return (f"layer {position + 1} was solved by the server in the dual over a group's N = {solve['rows']:,} rows "
             f"(stacked {mapped}; its N x N system {solve['dual_bytes'] / 2**30:.1f} GiB, the primal's Grams "
             f"{solve['primal_bytes'] / 2**30:.0f} GiB): {flops / 1e12:.0f} TFLOP in {seconds:.0f} s, "
-            f"{flops / seconds / 1e9:.0f} GFLOP/s, {flops / rate:.0f} s at the float32 gemm rate.")
+            f"{flops / seconds / 1e9:.0f} GFLOP/s, {flops / rate:.0f} s at the {precision} gemm rate.")
 
 
 def dual_ids(record, model, position, dataset, basis):
@@ -490,7 +492,9 @@ def report(args):
                 f"| {record['stage']} | {position + 1} | {forward:.1f} | {stats:.1f} | {solve:.1f} | {floor:.1f} | "
                 f"{ratio:.2f} | {record['server_s']:.1f} | {record.get('eval_s', 0.0):.1f} |")
             if record.get("solve", {}).get("form") == "dual":
-                dual_notes.append(dual_server_note(record, position, rate))
+                rate64 = results["fig6"].get("gemm_float64_flops_per_s")
+                dual_notes.append(dual_server_note(record, position, rate, "float32") if rate64 is None else
+                                  dual_server_note(record, position, rate64, "float64"))
         if dual_notes:
             lines += [""] + [f"- {note}" for note in dual_notes]
     lines += [

@@ -53,7 +53,7 @@ from fedlayer.models import Model, build_model
 from fedlayer.run import RunConfig, load_dataset, pooled_data
 
 FORWARD_IMAGES = 512  # images per forward step: 268 MB of full-width features
-GRAM_FEATURES = 8192  # feature rows per Gram update: 1.5 GB of float32 at n = 45,000
+GRAM_FEATURES = 4096  # feature rows per Gram update: 1.5 GB once cast to float64 at n = 45,000
 
 
 def exact_model(pooled_model, width, n_classes):
@@ -112,9 +112,11 @@ def kernel_matrix(features, bias=True):
     K = np.zeros((n, n), dtype=np.float64)
     step = max(1, GRAM_FEATURES // channels)
     for start in range(0, positions, step):
-        rows = np.ascontiguousarray(features[start:start + step]).reshape(-1, n)
-        # float32 products over one block of rows, summed into K in float64 (the run's G is made the same way)
-        fastls.gram_update(K, rows, block_rows=len(rows))
+        # Products in float64, as the server's dual solve makes them: float32 sums of them put the
+        # classifier 1.3e-4 from its exact solution (docs/results/fig6_dual_precision.md). The rows in
+        # docs/results/fig6_dual_classifier.md were made before, with float32 products over 8,192 features.
+        rows = np.asarray(features[start:start + step], dtype=np.float64).reshape(-1, n)
+        fastls.gram_update(K, rows)
     if bias:
         for i in range(n):  # the upper triangle, as gram_update: the lower half's pages stay unallocated
             K[i, i:] += 1.0

@@ -60,7 +60,7 @@ def test_same_padding_runs_its_classifier_through_the_dual_at_a_server_memory_it
     rows = sum(len(c.y_train) for c in dataset.clients[:3])
     note = dual_server_note(record, 4, rate=1e9)
     assert note.startswith(f"layer 5 was solved by the server in the dual over a group's N = {rows:,} rows (stacked ")
-    assert f"{record['solve']['flops']['dual'] / 1e9:.0f} s at the float32 gemm rate" in note
+    assert f"{record['solve']['flops']['dual'] / 1e9:.0f} s at the float64 gemm rate" in note
 
 
 def test_the_floor_of_a_factored_upload_is_the_rotation_times_the_rows():

@@ -40,12 +40,11 @@ from ..options import SERVER_SOLVES
 __all__ = ["DualSolve", "FactoredRows", "FixedGamma", "GroupGCV", "LayerSolver", "PooledGCV", "RowStack",
            "SummedStatistics", "choose_solver", "dual_bytes", "dual_gram", "gcv_choice", "primal_bytes", "solve_form"]
 
-#: Largest block of the stacked rows the dual solve copies (or casts to float64) at once: at 45,000 rows,
-#: 5,965 float32 columns, so that K = F F^T, whose every update reads and writes all of K in float64, takes
-#: few passes over it.
+#: Largest block of the stacked rows the dual solve casts to float64 at once: at 45,000 rows, 2,982
+#: columns, so that K = F F^T, whose every update reads and writes all of K in float64, takes few passes
+#: over it.
 DUAL_BLOCK_BYTES = 2**30
-#: Columns of F that K = F F^T sums in float32 before adding to float64 K (fastls.gram_update's
-#: ``block_rows``, as the clients' Grams sum rows); a larger block is a whole multiple of it.
+#: Columns of each panel of the stacked rows (:class:`RowStack`): a client's rows are one write per panel.
 DUAL_BLOCK_FEATURES = 4096
 
 
@@ -370,9 +369,14 @@ def dual_gram(rows: FactoredRows, block_bytes: int = DUAL_BLOCK_BYTES) -> np.nda
     """K = F F^T (upper triangle, float64) over blocks of F's columns, F in RAM or memory-mapped.
 
     Each block of columns (:meth:`FactoredRows.column_blocks`) is copied as
-    a C-ordered (columns, n) array X, and :func:`fastls.gram_update` adds
-    X^T X to K (float32 blocks in float32 BLAS over its ``block_rows`` of
-    them at a time, accumulated into float64 K, as the primal's Gram is).
+    a C-ordered (columns, n) float64 array X, and :func:`fastls.gram_update`
+    adds X^T X to K in float64 BLAS, whatever F's dtype. Rounding the rows
+    to float32 is harmless: it is a ridge problem over slightly other data,
+    and one float32 rounding of every feature moves the 1/4-width
+    classifier by 2e-7. float32 sums of their products are not: they give a
+    K that is no data's Gram, errors along K's small eigenvalues, which
+    (K + gamma I)^-1 amplifies; they put that classifier 1.3e-4 from its
+    exact solution (docs/results/fig6_dual_precision.md).
 
     Parameters
     ----------
@@ -387,17 +391,14 @@ def dual_gram(rows: FactoredRows, block_bytes: int = DUAL_BLOCK_BYTES) -> np.nda
     """
     n = rows.shape[0]
     K = np.zeros((n, n))
-    for _, block in rows.column_blocks(rows.dtype.itemsize, block_bytes):
-        fastls.gram_update(K, np.ascontiguousarray(block.T), block_rows=DUAL_BLOCK_FEATURES)
+    for _, block in rows.column_blocks(8, block_bytes):
+        fastls.gram_update(K, np.ascontiguousarray(block.T, dtype=np.float64))
     return K
 
 
 def _column_blocks(n, d, itemsize, block_bytes):
-    """Slices of d columns, each of at most ``block_bytes`` for n rows, in whole multiples of
-    DUAL_BLOCK_FEATURES where a block holds more."""
+    """Slices of d columns, each of at most ``block_bytes`` for n rows (at least one column)."""
     step = max(1, int(block_bytes) // max(1, n * itemsize))
-    if step >= DUAL_BLOCK_FEATURES:
-        step -= step % DUAL_BLOCK_FEATURES
     return [slice(first, first + step) for first in range(0, d, step)]
 
 
