@@ -168,16 +168,30 @@ def solve_dual(features, y, n_classes, gamma):
     return W, train_predictions, {"gram": gram_s, "solve": solve_s, "weights": weights_s}
 
 
+def classifier_weights(model):
+    """The model's classifier (its last trainable layer), float64, bias last."""
+    return model.layers[model.trainable[-1]].weights.astype(np.float64)
+
+
+def same_convolutions(model, other):
+    """Whether the two models' trainable layers before the classifier hold identical weights."""
+    return all(np.array_equal(model.layers[i].weights, other.layers[j].weights)
+               for i, j in zip(model.trainable[:-1], other.trainable[:-1]))
+
+
+def relative_difference(W, reference):
+    """||W - reference|| / ||reference|| (Frobenius)."""
+    return float(np.linalg.norm(W - reference) / np.linalg.norm(reference))
+
+
 def compare_reference(model, W, reference_path):
     """Relative difference of W to a primal run's classifier, and whether the convolutions are the same."""
     reference, _ = Model.load(reference_path)
-    same_convs = all(np.array_equal(model.layers[i].weights, reference.layers[j].weights)
-                     for i, j in zip(model.trainable[:-1], reference.trainable[:-1]))
-    W_ref = reference.layers[reference.trainable[-1]].weights.astype(np.float64)
+    W_ref = classifier_weights(reference)
     if W_ref.shape != W.shape:
         raise ValueError(f"reference classifier has shape {W_ref.shape}, expected {W.shape}")
-    return {"identical_convolutions": bool(same_convs),
-            "relative_difference": float(np.linalg.norm(W - W_ref) / np.linalg.norm(W_ref))}
+    return {"identical_convolutions": same_convolutions(model, reference),
+            "relative_difference": relative_difference(W, W_ref)}
 
 
 def report(rows):

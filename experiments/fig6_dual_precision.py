@@ -36,7 +36,8 @@ import numpy as np
 import fastls
 from dev_layout import REPOSITORY, emit_report, use_shared_data
 from fig6_classifier_gamma import RUN_GAMMA
-from fig6_dual_classifier import exact_model, solve_dual, write_features
+from fig6_dual_classifier import (classifier_weights, exact_model, relative_difference, same_convolutions, solve_dual,
+                                  write_features)
 from fig6_padding import width_label
 from fedlayer.models import Model
 from fedlayer.run import RunConfig, load_dataset, pooled_data
@@ -78,15 +79,6 @@ def exact_ridge(features, y, n_classes, gamma, perturbation=0.0, seed=0):
     return fastls.ridge_solve(G, C, gamma, overwrite_g=True)
 
 
-def classifier(path):
-    model, _ = Model.load(path)
-    return model, model.layers[model.trainable[-1]].weights.astype(np.float64)
-
-
-def relative(W, reference):
-    return float(np.linalg.norm(W - reference) / np.linalg.norm(reference))
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", action="append", required=True, metavar="NAME=MODEL",
@@ -108,14 +100,14 @@ def main(argv=None):
                        seed=args.seed, cores=[2], conv_targets="position", padding="same")
     dataset = load_dataset(config)
     pooled = pooled_data(dataset)
-    first, _ = Model.load(next(iter(runs.values())))
-    model, conv_stop = exact_model(first, args.width, dataset.n_classes)
-    for name, path in runs.items():
-        other, _ = classifier(path)
-        if not all(np.array_equal(first.layers[i].weights, other.layers[j].weights)
-                   for i, j in zip(first.trainable[:-1], other.trainable[:-1])):
-            raise ValueError(f"run {name} ({path}) has other convolutions than {next(iter(runs))}: resume every "
+    models = {name: Model.load(path)[0] for name, path in runs.items()}
+    first_name, first = next(iter(models.items()))
+    for name, other in models.items():
+        if not same_convolutions(first, other):
+            raise ValueError(f"run {name} ({runs[name]}) has other convolutions than {first_name}: resume every "
                              f"run from one checkpoint of the convolutions")
+    model, conv_stop = exact_model(first, args.width, dataset.n_classes)
+    classifiers = {name: classifier_weights(other) for name, other in models.items()}
     work = Path(args.work) if args.work else REPOSITORY / "results"
     work.mkdir(parents=True, exist_ok=True)
     seconds = {}
@@ -126,20 +118,20 @@ def main(argv=None):
         start = time.perf_counter()
         W_exact = exact_ridge(features, pooled.y_train, dataset.n_classes, args.gamma)
         seconds["exact"] = time.perf_counter() - start
-        differences = {name: relative(classifier(path)[1], W_exact) for name, path in runs.items()}
+        differences = {name: relative_difference(W, W_exact) for name, W in classifiers.items()}
         if not args.skip_perturbed:
             start = time.perf_counter()
             W_perturbed = exact_ridge(features, pooled.y_train, dataset.n_classes, args.gamma,
                                       perturbation=2.0**-24)
             seconds["perturbed"] = time.perf_counter() - start
             differences["exact, every feature perturbed by one float32 rounding (2^-24 relative)"] = \
-                relative(W_perturbed, W_exact)
+                relative_difference(W_perturbed, W_exact)
             del W_perturbed
         if not args.skip_outside:
             start = time.perf_counter()
             W_outside, _, _ = solve_dual(features, pooled.y_train, dataset.n_classes, args.gamma)
             seconds["outside"] = time.perf_counter() - start
-            differences["outside the protocol (fig6_dual_classifier.py)"] = relative(W_outside, W_exact)
+            differences["outside the protocol (fig6_dual_classifier.py)"] = relative_difference(W_outside, W_exact)
         del features
     row = {"width": args.width, "gamma": args.gamma, "classifier_inputs": int(W_exact.shape[0]),
            "train_rows": int(len(pooled.y_train)), "runs": runs, "relative_difference": differences,

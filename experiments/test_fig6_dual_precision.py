@@ -2,7 +2,8 @@
 
 import numpy as np
 
-from fig6_dual_precision import exact_ridge, relative
+from fig6_dual_classifier import relative_difference as relative
+from fig6_dual_precision import exact_ridge
 
 
 def _reference(features, y, n_classes, gamma):
