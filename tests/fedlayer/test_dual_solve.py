@@ -188,9 +188,9 @@ def test_the_dual_gram_and_solve_read_the_stack_in_blocks_of_columns(rng):
     rows = stack.stacked()
     assert [panel.shape for panel in rows.panels] == [(12, 16), (12, 16), (12, 8)]
     F64 = F.astype(np.float64)
-    assert_close(np.triu(dual_gram(rows, block_bytes=12 * 4 * 9)), np.triu(F64 @ F64.T), np.float32, n_terms=40)
+    # float32 rows are multiplied in float64 BLAS: K and the solution are exact over them, to float64 rounding.
+    assert_close(np.triu(dual_gram(rows, block_bytes=12 * 4 * 9)), np.triu(F64 @ F64.T), np.float64, n_terms=40)
     W = DualSolve(2.0, None, 1, block_bytes=12 * 8 * 9).add(0, rows, {})
-    # float32 rows are multiplied in float64 BLAS: the exact solution over them, to float64 rounding.
     assert relative(W, fastls.ridge_solve(F64.T @ F64, F64.T @ UZ, 2.0)) <= 1e-10
 
 
