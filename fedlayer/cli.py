@@ -196,9 +196,7 @@ class _ProgressBar:
 
     def within_round(self, done, total):
         """The clients of the running round done so far (the server calls it as each one delivers)."""
-        if self.bar is None:
-            self.start(None)
-        self.bar.set_postfix_str(f"round {self.bar.n + 1}: {done}/{total} clients done")
+        self.status(f"{done}/{total} clients done")
 
     def status(self, what):
         """What the server does in the running round between the clients' deliveries and its end."""

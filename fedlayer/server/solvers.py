@@ -391,7 +391,7 @@ def dual_gram(rows: FactoredRows, block_bytes: int = DUAL_BLOCK_BYTES) -> np.nda
     """
     n = rows.shape[0]
     K = np.zeros((n, n))
-    for _, block in rows.column_blocks(8, block_bytes):
+    for _, block in rows.column_blocks(np.dtype(np.float64).itemsize, block_bytes):
         fastls.gram_update(K, np.ascontiguousarray(block.T, dtype=np.float64))
     return K
 
