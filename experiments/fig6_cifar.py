@@ -463,6 +463,9 @@ def report(args):
             "server solve s | evaluation s |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
+        rate64 = results["fig6"].get("gemm_float64_flops_per_s")
+        # The server multiplies K in float64; runs recorded before it did have no float64 rate (float32 products).
+        server_rate, server_precision = (rate, "float32") if rate64 is None else (rate64, "float64")
         dual_notes = []
         for record in results["rounds"].values():
             if record["stage"] == "initialization":
@@ -492,9 +495,7 @@ def report(args):
                 f"| {record['stage']} | {position + 1} | {forward:.1f} | {stats:.1f} | {solve:.1f} | {floor:.1f} | "
                 f"{ratio:.2f} | {record['server_s']:.1f} | {record.get('eval_s', 0.0):.1f} |")
             if record.get("solve", {}).get("form") == "dual":
-                rate64 = results["fig6"].get("gemm_float64_flops_per_s")
-                dual_notes.append(dual_server_note(record, position, rate, "float32") if rate64 is None else
-                                  dual_server_note(record, position, rate64, "float64"))
+                dual_notes.append(dual_server_note(record, position, server_rate, server_precision))
         if dual_notes:
             lines += [""] + [f"- {note}" for note in dual_notes]
     lines += [
