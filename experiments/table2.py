@@ -21,7 +21,8 @@ The baselines run on the batched engine (``--engine batched``, the same
 parameters as the per-client engine) and write a checkpoint every 10 rounds
 under ``--checkpoints``: an interrupted cell goes on from its last
 checkpoint when the same command runs again, and its checkpoint is removed
-once the cell is in the ``--json`` file. They are evaluated every ``--eval-every``
+once the cell is in the ``--json`` file; ``--progress`` lists the seeds
+finished and the cells in progress without running anything. They are evaluated every ``--eval-every``
 rounds (every ``budget // 50`` of shorter budgets) and after the last;
 "best accuracy" is the best of those evaluations.
 """
@@ -39,6 +40,7 @@ import time
 import numpy as np
 
 import fastls
+from fedlayer.baselines.server import load_baseline_checkpoint
 from fedlayer.run import RunConfig, load_dataset, run
 
 from dev_layout import use_shared_data
@@ -149,6 +151,33 @@ def run_cells(args, budget, cells, on_cell=None):
             if checkpoint is not None and args.json and os.path.exists(checkpoint):
                 os.remove(checkpoint)  # the cell is in the JSON file now (without one, the checkpoint keeps it)
         del dataset
+
+
+def progress(cells, seeds, checkpoints):
+    """Lines of markdown: each baseline cell's seeds so far, then the cells in progress in ``checkpoints``.
+
+    A complete cell (``seeds`` seeds) adds its mean and std over seeds
+    (``np.std``, ddof = 0, as the table); minutes are the cell's wall time.
+    """
+    lines = []
+    for key, cell in cells.items():
+        if "rounds" not in cell:  # an analytic method: no round budget, nothing in progress
+            continue
+        accuracy = cell["accuracy"]
+        done = f"{len(accuracy)} of {seeds} seeds"
+        if len(accuracy) >= seeds:
+            done += f"; mean {np.mean(accuracy):.2f} (std {np.std(accuracy):.2f})"
+        lines.append(f"- {key}: {', '.join(f'{a:.2f}' for a in accuracy)} "
+                     f"({done}; {sum(cell['minutes']):.0f} min in all)")
+    names = sorted(os.listdir(checkpoints)) if os.path.isdir(checkpoints) else []
+    for name in names:
+        if not name.endswith(".npz") or name.startswith("fig45-"):  # fig45.py shares the folder
+            continue
+        state = load_baseline_checkpoint(os.path.join(checkpoints, name), None)
+        best = state["best_accuracy"]
+        lines.append(f"- in progress: `{name}`, {len(state['rounds'])} rounds done, best so far "
+                     + ("none yet" if best is None else f"{100 * best:.2f}"))
+    return lines
 
 
 def curve_trend(curves):
@@ -284,6 +313,9 @@ def main(argv=None):
     parser.add_argument("--eval-every", type=_positive, default=10,
                         help="baselines: evaluate at most every N rounds (every round of budgets under 100) "
                              "and the last")
+    parser.add_argument("--progress", action="store_true",
+                        help="print the baselines' seeds so far (from --json and --merge) and the cells in "
+                             "progress (from --checkpoints), run nothing")
     args = parser.parse_args(argv)
     use_shared_data()  # the checkout's ../shared/data unless FEDLAYER_DATA_DIR says otherwise
     args.algorithms = list(dict.fromkeys(args.algorithms + args.baselines))
@@ -295,6 +327,9 @@ def main(argv=None):
     if own and any(os.path.samefile(own[0], path) for path in args.merge):
         own = []
     runs, cells = load_runs(args.merge + own)
+    if args.progress:
+        print("\n".join(progress(cells, args.baseline_seeds, args.checkpoints)))
+        return 0
     lengths = {key: len(cell["accuracy"]) for key, cell in cells.items()}
     given = sys.argv[1:] if argv is None else argv
     command = "python experiments/table2.py " + " ".join(shlex.quote(a) for a in given)

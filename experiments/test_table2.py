@@ -75,3 +75,26 @@ def test_the_same_command_again_keeps_its_cells_and_runs_only_the_missing(tmp_pa
     # Named in --merge as well, the file is read once, not refused as a duplicate.
     assert table2.main(["--seeds", "2", *common, "--merge", str(out)]) == 0
     assert ran == [1]
+
+
+def test_progress_lists_seeds_so_far_and_cells_in_progress_without_running(tmp_path, monkeypatch, capsys):
+    out, checkpoints = tmp_path / "cells.json", tmp_path / "checkpoints"
+    common = ["--settings", "synthetic-lr", "--cores", "1", "--out", str(tmp_path / "t.md"), "--baseline-rounds",
+              "2", "--checkpoints", str(checkpoints)]
+    assert table2.main(["--seeds", "1", *common, "--algorithms", "pfedme", "--json", str(out)]) == 0
+    # Without --json a finished cell keeps its checkpoint: the listing reads it as a cell in progress.
+    capsys.readouterr()
+    assert table2.main(["--seeds", "1", *common, "--algorithms", "pfedzo"]) == 0
+    best_pfedzo = next(line.split(": ")[1].split()[0] for line in capsys.readouterr().out.splitlines()
+                       if line.startswith("synthetic-lr pfedzo seed 0: "))
+    pfedme = json.loads(out.read_text())["cells"]["synthetic-lr-pfedme"]
+
+    monkeypatch.setattr(table2, "run", lambda config, **kw: pytest.fail("--progress ran a cell"))
+    assert table2.main(["--progress", "--seeds", "2", *common, "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (f"- synthetic-lr-pfedme: {pfedme['accuracy'][0]:.2f} "
+                        f"(1 of 2 seeds; {pfedme['minutes'][0]:.0f} min in all)")
+    assert lines[1:] == [f"- in progress: `synthetic-lr-pfedzo-seed0.npz`, 2 rounds done, best so far {best_pfedzo}"]
+    # All seeds in: the mean and std over seeds, as the table gives them.
+    assert table2.main(["--progress", "--seeds", "1", *common, "--json", str(out)]) == 0
+    assert f"(1 of 1 seeds; mean {pfedme['accuracy'][0]:.2f} (std 0.00);" in capsys.readouterr().out

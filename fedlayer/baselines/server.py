@@ -55,7 +55,8 @@ def load_baseline_checkpoint(path: str | os.PathLike, fingerprint: Mapping[str, 
     """The state :func:`save_baseline_checkpoint` wrote, refused if damaged or of another configuration.
 
     ``fingerprint`` is the resuming run's; keys added to the fingerprint after
-    the file was written match any value.
+    the file was written match any value. ``None`` reads the state of any
+    configuration (a progress report, not a resume).
 
     Returns
     -------
@@ -64,9 +65,10 @@ def load_baseline_checkpoint(path: str | os.PathLike, fingerprint: Mapping[str, 
         and ``"best_accuracy"``.
     """
     state, arrays = read_state(path, _FORMAT)
-    # Keys added to the fingerprint after checkpoints of this format were written match any value.
-    saved = {**{key: fingerprint[key] for key in _ADDED_KEYS if key in fingerprint}, **state["fingerprint"]}
-    check_fingerprint(path, saved, fingerprint)
+    if fingerprint is not None:
+        # Keys added to the fingerprint after checkpoints of this format were written match any value.
+        saved = {**{key: fingerprint[key] for key in _ADDED_KEYS if key in fingerprint}, **state["fingerprint"]}
+        check_fingerprint(path, saved, fingerprint)
     return {"params": arrays["params"], "rounds": state["rounds"], "best_accuracy": state["best_accuracy"]}
 
 
