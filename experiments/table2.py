@@ -22,9 +22,9 @@ parameters as the per-client engine) and write a checkpoint every 10 rounds
 under ``--checkpoints``: an interrupted cell goes on from its last
 checkpoint when the same command runs again, and its checkpoint is removed
 once the cell is in the ``--json`` file; ``--progress`` lists the seeds
-finished and the cells in progress without running anything. They are evaluated every ``--eval-every``
-rounds (every ``budget // 50`` of shorter budgets) and after the last;
-"best accuracy" is the best of those evaluations.
+finished and the cells in progress without running anything. They are
+evaluated every ``--eval-every`` rounds (every ``budget // 50`` of shorter
+budgets) and after the last; "best accuracy" is the best of those evaluations.
 """
 
 from __future__ import annotations

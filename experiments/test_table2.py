@@ -82,8 +82,8 @@ def test_progress_lists_seeds_so_far_and_cells_in_progress_without_running(tmp_p
     common = ["--settings", "synthetic-lr", "--cores", "1", "--out", str(tmp_path / "t.md"), "--baseline-rounds",
               "2", "--checkpoints", str(checkpoints)]
     assert table2.main(["--seeds", "1", *common, "--algorithms", "pfedme", "--json", str(out)]) == 0
-    # Without --json a finished cell keeps its checkpoint: the listing reads it as a cell in progress.
     capsys.readouterr()
+    # Without --json a finished cell keeps its checkpoint: the listing reads it as a cell in progress.
     assert table2.main(["--seeds", "1", *common, "--algorithms", "pfedzo"]) == 0
     best_pfedzo = next(line.split(": ")[1].split()[0] for line in capsys.readouterr().out.splitlines()
                        if line.startswith("synthetic-lr pfedzo seed 0: "))
