@@ -61,6 +61,11 @@ def cell_key(setting, algorithm):
     return f"{setting}-{algorithm}"
 
 
+def checkpoint_path(folder, setting, algorithm, seed):
+    """Where a baseline cell's seed keeps its checkpoint while it runs."""
+    return os.path.join(folder, f"{cell_key(setting, algorithm)}-seed{seed}.npz")
+
+
 def parse_budget(entries):
     """``{(setting, algorithm): rounds}`` for every baseline cell from ``--baseline-rounds`` entries."""
     budget = {(s, a): PAPER_ROUNDS for s in SETTINGS for a in BASELINES}
@@ -123,7 +128,7 @@ def run_cells(args, budget, cells, on_cell=None):
         for setting, algorithm in todo:
             model = setting.split("-")[1]
             rounds = budget[(setting, algorithm)] if algorithm in BASELINES else None
-            checkpoint = (os.path.join(args.checkpoints, f"{cell_key(setting, algorithm)}-seed{seed}.npz")
+            checkpoint = (checkpoint_path(args.checkpoints, setting, algorithm, seed)
                           if algorithm in BASELINES else None)
             config = RunConfig(algorithm=algorithm, dataset=setting.split("-")[0], model=model, seed=seed,
                                rounds=rounds, eval_every=min(args.eval_every, max(1, (rounds or 1) // 50)),
@@ -169,13 +174,13 @@ def progress(cells, seeds, checkpoints):
             done += f"; mean {np.mean(accuracy):.2f} (std {np.std(accuracy):.2f})"
         lines.append(f"- {key}: {', '.join(f'{a:.2f}' for a in accuracy)} "
                      f"({done}; {sum(cell['minutes']):.0f} min in all)")
-    names = sorted(os.listdir(checkpoints)) if os.path.isdir(checkpoints) else []
-    for name in names:
-        if not name.endswith(".npz") or name.startswith("fig45-"):  # fig45.py shares the folder
-            continue
-        state = load_baseline_checkpoint(os.path.join(checkpoints, name), None)
+    # Only the names run_cells gives its checkpoints: other scripts (fig45.py) share the folder.
+    paths = [checkpoint_path(checkpoints, setting, algorithm, seed)
+             for setting in SETTINGS for algorithm in BASELINES for seed in range(seeds)]
+    for path in filter(os.path.exists, paths):
+        state = load_baseline_checkpoint(path, None)
         best = state["best_accuracy"]
-        lines.append(f"- in progress: `{name}`, {len(state['rounds'])} rounds done, best so far "
+        lines.append(f"- in progress: `{os.path.basename(path)}`, {len(state['rounds'])} rounds done, best so far "
                      + ("none yet" if best is None else f"{100 * best:.2f}"))
     return lines
 
