@@ -206,7 +206,7 @@ def run_one(algorithm, args):
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "peak_disk_bytes": disk.peak,
         "gemm_float32_flops_per_s": rate,
-        "gemm_float64_flops_per_s": rate64,  # the server's dual solve multiplies in float64
+        "gemm_float64_flops_per_s": rate64,  # a dual solve that multiplies K in float64 (unrefined) runs at it
         "forward_methods": forward_methods(build_model("dcnn", dataset.feature_shape, dataset.n_classes,
                                                       width=args.width, padding=args.padding)),
         "width": args.width,
@@ -268,17 +268,28 @@ def factored_upload_flops(model, position, samples):
     return sum(2.0 * n * n * d + 4.0 / 3.0 * n ** 3 for n in rows)
 
 
-def dual_server_note(record, position, rate, precision="float64"):
+def dual_server_note(record, position, rate, rate64=None):
     """What the server's solve of a dual round cost against its flops (``proximal_cost``'s dual count:
-    K = F F^T, the N x N Cholesky, F^T alpha) at the ``precision`` gemm ``rate``: float64, in which the
-    server multiplies, or float32 for the runs recorded before it did (their K's products were float32)."""
+    K = F F^T, the N x N Cholesky, F^T alpha) at the gemm rate of K's products: float32 (``rate``) where
+    the server summed K from float32 products and refined the solve in float64 passes over F, or for the
+    runs recorded before the server multiplied in float64 (no ``rate64``); float64 (``rate64``) otherwise."""
     solve = record["solve"]
+    refinement = solve.get("refinement", {})
+    precision, server_rate = ("float32", rate) if refinement or rate64 is None else ("float64", rate64)
     flops, seconds = solve["flops"]["dual"], record["server_s"]
     mapped = "memory-mapped" if any(solve.get("mapped", {}).values()) else "in RAM"
-    return (f"layer {position + 1} was solved by the server in the dual over a group's N = {solve['rows']:,} rows "
+    note = (f"layer {position + 1} was solved by the server in the dual over a group's N = {solve['rows']:,} rows "
             f"(stacked {mapped}; its N x N system {solve['dual_bytes'] / 2**30:.1f} GiB, the primal's Grams "
             f"{solve['primal_bytes'] / 2**30:.0f} GiB): {flops / 1e12:.0f} TFLOP in {seconds:.0f} s, "
-            f"{flops / seconds / 1e9:.0f} GFLOP/s, {flops / rate:.0f} s at the {precision} gemm rate.")
+            f"{flops / seconds / 1e9:.0f} GFLOP/s, {flops / server_rate:.0f} s at the {precision} gemm rate.")
+    if refinement:
+        passes = sum(report["iterations"] for report in refinement.values())
+        worst = max(report["correction"] for report in refinement.values())
+        fallbacks = sum(report["fallback"] for report in refinement.values())
+        note += (f" K from float32 products, the solve refined against float64 products with F in {passes} "
+                 f"pass(es) over it (last correction {worst:.1e} of alpha"
+                 + (f"; {fallbacks} group(s) solved again with a float64 K" if fallbacks else "") + ").")
+    return note
 
 
 def dual_ids(record, model, position, dataset, basis):
@@ -464,8 +475,6 @@ def report(args):
             "|---|---|---|---|---|---|---|---|---|",
         ]
         rate64 = results["fig6"].get("gemm_float64_flops_per_s")
-        # The server multiplies K in float64; runs recorded before it did have no float64 rate (float32 products).
-        server_rate, server_precision = (rate, "float32") if rate64 is None else (rate64, "float64")
         dual_notes = []
         for record in results["rounds"].values():
             if record["stage"] == "initialization":
@@ -495,7 +504,7 @@ def report(args):
                 f"| {record['stage']} | {position + 1} | {forward:.1f} | {stats:.1f} | {solve:.1f} | {floor:.1f} | "
                 f"{ratio:.2f} | {record['server_s']:.1f} | {record.get('eval_s', 0.0):.1f} |")
             if record.get("solve", {}).get("form") == "dual":
-                dual_notes.append(dual_server_note(record, position, server_rate, server_precision))
+                dual_notes.append(dual_server_note(record, position, rate, rate64))
         if dual_notes:
             lines += [""] + [f"- {note}" for note in dual_notes]
     lines += [

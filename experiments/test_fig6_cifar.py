@@ -58,9 +58,15 @@ def test_same_padding_runs_its_classifier_through_the_dual_at_a_server_memory_it
         assert np.linalg.norm(W_dual - W_primal) <= 1e-5 * np.linalg.norm(W_primal)
     record = list(dual["rounds"].values())[-1]
     rows = sum(len(c.y_train) for c in dataset.clients[:3])
-    note = dual_server_note(record, 4, rate=1e9)
+    note = dual_server_note(record, 4, rate=1e9, rate64=5e8)
     assert note.startswith(f"layer 5 was solved by the server in the dual over a group's N = {rows:,} rows (stacked ")
-    assert f"{record['solve']['flops']['dual'] / 1e9:.0f} s at the float64 gemm rate" in note
+    # float32 rows: K from float32 products (the float32 rate), refined in float64 passes over F.
+    assert f"{record['solve']['flops']['dual'] / 1e9:.0f} s at the float32 gemm rate" in note
+    passes = record["solve"]["refinement"]["0"]["iterations"]
+    assert f"refined against float64 products with F in {passes} pass(es)" in note
+    unrefined = {**record, "solve": {k: v for k, v in record["solve"].items() if k != "refinement"}}
+    assert f"{record['solve']['flops']['dual'] / 5e8:.0f} s at the float64 gemm rate" in dual_server_note(
+        unrefined, 4, rate=1e9, rate64=5e8)
 
 
 def test_the_floor_of_a_factored_upload_is_the_rotation_times_the_rows():

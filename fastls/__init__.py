@@ -34,7 +34,7 @@ from ._draws import normal_rows
 from ._patches import conv_output_shape, im2col
 from ._products import add_upper, cross_update, gram_update, matmul, symmetrize
 from ._select import DEFAULT_GRID, RidgePath
-from ._solve import proximal_cost, proximal_solve, proximal_solve_dual, ridge_solve
+from ._solve import proximal_cost, proximal_solve, proximal_solve_dual, refined_ridge_solve, ridge_solve
 from ._threads import available_cores, blas_info, limit_cores
 from ._workspace import recycled_array, recycled_nbytes
 from ._workspace import release as release_recycled
@@ -75,6 +75,7 @@ __all__ = [
     "ConvStats",
     # Solves
     "ridge_solve",
+    "refined_ridge_solve",
     "proximal_solve",
     "proximal_solve_dual",
     "proximal_cost",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 import warnings
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -16,7 +17,7 @@ from ._validation import (_FLOATS, _as_input, _check_array, _check_count, _check
                           _check_finite_upper, _check_pair_dtypes, _check_positive, _layout)
 from ._workspace import DEFAULT_SCRATCH_BYTES
 
-__all__ = ["ridge_solve", "proximal_solve", "proximal_solve_dual", "proximal_cost"]
+__all__ = ["ridge_solve", "refined_ridge_solve", "proximal_solve", "proximal_solve_dual", "proximal_cost"]
 
 _ON_FAILURE = ("raise", "eigh")
 
@@ -204,6 +205,113 @@ def ridge_solve(G: np.ndarray, C: np.ndarray, gamma: float, *, overwrite_g: bool
         return _expand(_spd_solve(G, B, gamma, "gamma", overwrite_g, on_failure, "ridge_solve"), Q)
     rhs = _working_rhs(C, overwrite_c)
     return _spd_solve(G, rhs, gamma, "gamma", overwrite_g, on_failure, "ridge_solve")
+
+
+#: Corrections of :func:`refined_ridge_solve` at most this fraction of W (Frobenius) end the refinement.
+REFINE_TOLERANCE = 1e-9
+#: Residual evaluations :func:`refined_ridge_solve` makes at most.
+REFINE_MAX_ITER = 30
+
+
+def refined_ridge_solve(G: np.ndarray, C: np.ndarray, gamma: float, gram_product: Callable[[np.ndarray], np.ndarray],
+                        *, overwrite_g: bool = False, tol: float = REFINE_TOLERANCE, max_iter: int = REFINE_MAX_ITER,
+                        check_finite: bool = True) -> tuple[np.ndarray, dict]:
+    """W = (A + gamma I)^-1 C by the Cholesky factor of an approximation G of A, refined against exact products A V.
+
+    Mixed-precision iterative refinement, as LAPACK's ``dsposv`` runs it
+    with a single-precision factor: with L L^T = G + gamma I,
+
+        W_0 = (G + gamma I)^-1 C,
+        R_k = C - (gram_product(W_k) + gamma W_k),   W_{k+1} = W_k + (G + gamma I)^-1 R_k,
+
+    which converges to (A + gamma I)^-1 C when ||(G + gamma I)^-1 (A - G)|| < 1:
+    e.g. G = X X^T summed from float32 products, and A V = X (X^T V) multiplied in
+    float64, a pass over X per step instead of a float64 Gram.
+
+    Parameters
+    ----------
+    G : ndarray of shape (d, d), float64
+        The approximation of A; only its upper triangle is read.
+    C : ndarray of shape (d, m), float64
+    gamma : float > 0
+    gram_product : callable, ndarray (d, m) float64 -> ndarray (d, m) float64
+        A V for the symmetric positive semidefinite A, in float64.
+    overwrite_g : bool, default=False
+        Factorize G in place; G is destroyed.
+    tol : float > 0, default=REFINE_TOLERANCE
+        The refinement ends, converged, once a correction is at most ``tol`` ||W||
+        (Frobenius norms).
+    max_iter : int >= 1, default=REFINE_MAX_ITER
+        Residual evaluations (calls of ``gram_product``) at most.
+    check_finite : bool, default=True
+
+    Returns
+    -------
+    W : ndarray of shape (d, m), Fortran-ordered, float64
+    report : dict
+        ``"iterations"`` (calls of ``gram_product``), ``"correction"`` (the
+        last correction over ||W||) and ``"converged"`` (it is at most
+        ``tol``). The refinement also ends, unconverged, when a correction
+        is not at most half the previous one (rounding reached, or G too far
+        from A): the caller then solves with an exact Gram.
+
+    Raises
+    ------
+    TypeError
+        If G or C is not float64.
+    ValueError
+        As :func:`ridge_solve`, and if ``gram_product`` returns another shape or NaN/Inf.
+    numpy.linalg.LinAlgError
+        If G + gamma I is not positive definite.
+    """
+    G, gamma = _check_solve(G, C, gamma, "gamma", "the ridge regularization", "raise", overwrite_g, check_finite)
+    if G.dtype != np.float64:
+        raise TypeError(f"refined_ridge_solve refines in float64: G and C must be float64, got {G.dtype}")
+    tol = _check_positive("tol", tol, "the relative size of the last correction")
+    max_iter = _check_count("max_iter", max_iter)
+    d = G.shape[0]
+    in_place = overwrite_g and G.flags.writeable and (G.flags.c_contiguous or G.flags.f_contiguous)
+    A = G if in_place else G.copy(order="F" if G.flags.f_contiguous else "C")
+    _kernels.add_diagonal(A, gamma)
+    W = _working_rhs(C, False)
+    with sized_threads(d ** 3 / 3.0 + 2.0 * d * d * W.shape[1]):
+        info = _kernels.cholesky_solve(A, *_layout(A), W)
+    if info > 0:
+        raise np.linalg.LinAlgError(
+            f"refined_ridge_solve: G + gamma I is not positive definite (Cholesky failed at column {info}, "
+            f"gamma={gamma:g}); G must approximate a Gram matrix (upper triangle read)")
+    if info < 0:  # pragma: no cover - an argument error is a bug here
+        raise RuntimeError(f"LAPACK potrf/potrs rejected argument {-info}")
+    return W, _refine(A, C, W, gamma, gram_product, tol, max_iter)
+
+
+def _refine(factor, C, W, gamma, gram_product, tol, max_iter):
+    """The refinement steps of :func:`refined_ridge_solve` on W in place, ``factor`` the Cholesky factor of
+    G + gamma I; returns the report."""
+    d = factor.shape[0]
+    report = {"iterations": 0, "correction": float("inf"), "converged": False}
+    previous = float("inf")
+    for _ in range(max_iter):
+        product = np.asarray(gram_product(W))
+        report["iterations"] += 1
+        if product.shape != W.shape:
+            raise ValueError(f"gram_product must return the shape of its argument {W.shape}, got {product.shape}")
+        residual = np.array(C, dtype=np.float64, order="F")
+        residual -= product
+        residual -= gamma * W
+        _check_finite("C - (gram_product(W) + gamma W)", residual)
+        with sized_threads(2.0 * d * d * W.shape[1]):
+            _kernels.cholesky_solve(factor, *_layout(factor), residual, True)
+        W += residual
+        scale = float(np.linalg.norm(W))
+        report["correction"] = correction = float(np.linalg.norm(residual)) / scale if scale > 0 else 0.0
+        if correction <= tol:
+            report["converged"] = True
+            break
+        if correction > 0.5 * previous:
+            break
+        previous = correction
+    return report
 
 
 def proximal_solve(G: np.ndarray, C: np.ndarray, eps: float, M: np.ndarray, *, overwrite_g: bool = False,

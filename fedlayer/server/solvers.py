@@ -27,6 +27,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable, Iterator
@@ -230,6 +231,20 @@ class FactoredRows:
                 self.release()
             first += width
 
+    def products(self, alpha: np.ndarray, block_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+        """(F^T alpha (d, k), F F^T alpha (rows, k)), both float64, in one pass over F's columns.
+
+        Each block of F is cast to float64 before its products, whatever F's dtype.
+        """
+        alpha = np.asarray(alpha, dtype=np.float64)
+        FtA = np.empty((self.shape[1], alpha.shape[1]))
+        FFtA = np.zeros((self.shape[0], alpha.shape[1]))
+        for columns, block in self.column_blocks(np.dtype(np.float64).itemsize, block_bytes):
+            block = np.asarray(block, dtype=np.float64)
+            FtA[columns] = fastls.matmul(block.T, alpha, check_finite=False)
+            FFtA += fastls.matmul(block, FtA[columns], check_finite=False)
+        return FtA, FFtA
+
 
 class RowStack:
     """The rows of one group's factored uploads, appended client by client: in RAM, or memory-mapped.
@@ -365,18 +380,21 @@ def _reserve(file, nbytes, path):
                                  f"--server-memory so that they stay in RAM", str(path)) from None
 
 
-def dual_gram(rows: FactoredRows, block_bytes: int = DUAL_BLOCK_BYTES) -> np.ndarray:
+def dual_gram(rows: FactoredRows, block_bytes: int = DUAL_BLOCK_BYTES, exact: bool = True) -> np.ndarray:
     """K = F F^T (upper triangle, float64) over blocks of F's columns, F in RAM or memory-mapped.
 
     Each block of columns (:meth:`FactoredRows.column_blocks`) is copied as
-    a C-ordered (columns, n) float64 array X, and :func:`fastls.gram_update`
-    adds X^T X to K in float64 BLAS, whatever F's dtype. Rounding the rows
-    to float32 is harmless: it is a ridge problem over slightly other data,
-    and one float32 rounding of every feature moves the 1/4-width
-    classifier by 2e-7. float32 sums of their products are not: they give a
-    K that is no data's Gram, errors along K's small eigenvalues, which
-    (K + gamma I)^-1 amplifies; they put that classifier 1.3e-4 from its
-    exact solution (docs/results/fig6_dual_precision.md).
+    a C-ordered (columns, n) array X, and :func:`fastls.gram_update` adds
+    X^T X to K. With ``exact`` the blocks are cast to float64 first (float64
+    BLAS, whatever F's dtype); without it float32 F's products run in float32
+    BLAS over ``DUAL_BLOCK_FEATURES`` columns at a time, summed into float64
+    K, about 1.4x faster at the price of a K that is no data's Gram: its
+    errors fall along K's small eigenvalues, which (K + gamma I)^-1
+    amplifies, putting the 1/4-width 'same' classifier 1.3e-4 from its exact
+    solution (docs/results/fig6_dual_precision.md). :class:`DualSolve`
+    refines such a solve against exact products with F. Rounding the rows
+    themselves to float32 is harmless: a ridge problem over slightly other
+    data, which moves that classifier by 2e-7.
 
     Parameters
     ----------
@@ -384,6 +402,8 @@ def dual_gram(rows: FactoredRows, block_bytes: int = DUAL_BLOCK_BYTES) -> np.nda
         F of shape (n, d), float32 or float64, as column panels.
     block_bytes : int
         Largest block copied at once (at least one column).
+    exact : bool, default=True
+        Products in float64 (else in F's dtype, over blocks of ``DUAL_BLOCK_FEATURES`` columns).
 
     Returns
     -------
@@ -391,8 +411,9 @@ def dual_gram(rows: FactoredRows, block_bytes: int = DUAL_BLOCK_BYTES) -> np.nda
     """
     n = rows.shape[0]
     K = np.zeros((n, n))
-    for _, block in rows.column_blocks(np.dtype(np.float64).itemsize, block_bytes):
-        fastls.gram_update(K, np.ascontiguousarray(block.T, dtype=np.float64))
+    dtype = np.dtype(np.float64) if exact else rows.dtype
+    for _, block in rows.column_blocks(dtype.itemsize, block_bytes):
+        fastls.gram_update(K, np.ascontiguousarray(block.T, dtype=dtype), block_rows=DUAL_BLOCK_FEATURES)
     return K
 
 
@@ -407,8 +428,14 @@ class DualSolve(LayerSolver):
 
     The same minimizer of ||Z - X W||^2 + gamma ||W||^2 as
     :class:`FixedGamma`, through an N x N system instead of a d x d one.
-    With ``gamma="auto"`` each group's gamma minimizes GCV over the
-    eigendecomposition of its K (:meth:`fastls.RidgePath.from_kernel`, on
+    With float32 rows and a fixed gamma, K = F F^T is summed from float32
+    products and the solve refined against float64 products with F
+    (:func:`fastls.refined_ridge_solve`, a pass over F per step), which
+    gives the solution of the float64 K's system for a fraction of its
+    cost; a refinement that does not converge is replaced by that float64
+    K's solve. With ``gamma="auto"`` each group's gamma minimizes GCV over
+    the eigendecomposition of its K, multiplied in float64
+    (:meth:`fastls.RidgePath.from_kernel`, on
     :meth:`~fastls.RidgePath.from_statistics`'s grid: the criterion of
     :class:`GroupGCV`), and alpha comes from the same eigenpairs.
 
@@ -421,34 +448,59 @@ class DualSolve(LayerSolver):
     n_groups : int
     block_bytes : int
         Largest block of F cast to float64 at once.
+    refine : bool, default=True
+        Refine float32 products as above (False: float64 products throughout).
+
+    Attributes
+    ----------
+    refinements : dict
+        Group -> the report of its refined solve (:func:`fastls.refined_ridge_solve`'s, with
+        ``"fallback"``: True when the float64 K's solve replaced it).
     """
 
     def __init__(self, gamma: float | str, expand: np.ndarray | None, n_groups: int,
-                 block_bytes: int = DUAL_BLOCK_BYTES) -> None:
+                 block_bytes: int = DUAL_BLOCK_BYTES, refine: bool = True) -> None:
         super().__init__(None, n_groups)
-        self.gamma, self.expand, self.block_bytes = gamma, expand, int(block_bytes)
+        self.gamma, self.expand, self.block_bytes, self.refine = gamma, expand, int(block_bytes), bool(refine)
+        self.refinements = {}
 
     def _solve_group(self, k, rows, selection):
-        UZ = rows.UZ
-        K = dual_gram(rows, self.block_bytes)
+        UZ = np.asarray(rows.UZ, dtype=np.float64)
         d = rows.shape[1]
         if self.gamma == "auto":
+            K = dual_gram(rows, self.block_bytes)
             grid = fastls.DEFAULT_GRID * (float(np.trace(K)) / d if np.trace(K) > 0 else 1.0)
             path = fastls.RidgePath.from_kernel(K, UZ, d, rhs_basis=self.expand, overwrite_k=True)
             gamma, grid, scores = path.select("gcv", shifts=grid)
             selection[str(k) if self.n_groups > 1 else "all"] = {
                 "gamma": gamma, "criterion": "gcv", "grid": grid.tolist(), "scores": scores.tolist()}
             alpha = path.dual_coefficients(gamma)
+        elif self.refine and rows.dtype != np.float64:
+            alpha = self._refined(k, rows, UZ)
         else:
-            alpha = fastls.ridge_solve(K, np.asarray(UZ, dtype=np.float64), self.gamma, overwrite_g=True,
+            alpha = fastls.ridge_solve(dual_gram(rows, self.block_bytes), UZ, self.gamma, overwrite_g=True,
                                        overwrite_c=True)
-        del K
         W = np.empty((d, alpha.shape[1]))
         for columns, block in rows.column_blocks(8, self.block_bytes):
             W[columns] = fastls.matmul(np.asarray(block, dtype=np.float64).T, alpha, check_finite=False)
         if self.expand is not None:
             W = fastls.matmul(W, self.expand.astype(np.float64, copy=False), check_finite=False)
         return W
+
+    def _refined(self, k, rows, UZ):
+        """alpha from float32 products' K, refined against float64 products with F; the float64 K's if that fails."""
+        alpha, report = fastls.refined_ridge_solve(
+            dual_gram(rows, self.block_bytes, exact=False), UZ, self.gamma,
+            lambda V: rows.products(V, self.block_bytes)[1], overwrite_g=True, check_finite=False)
+        report["fallback"] = not report["converged"]
+        self.refinements[k] = report
+        if report["fallback"]:
+            warnings.warn(f"group {k}'s dual solve from float32 products did not converge (last correction "
+                          f"{report['correction']:.2g} of alpha after {report['iterations']} passes over F); "
+                          f"solving again with K multiplied in float64", RuntimeWarning, stacklevel=2)
+            alpha = fastls.ridge_solve(dual_gram(rows, self.block_bytes), UZ, self.gamma, overwrite_g=True,
+                                       overwrite_c=True)
+        return alpha
 
     def _final_gamma(self, withheld, selection):
         return self.gamma

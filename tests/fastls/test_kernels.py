@@ -401,6 +401,64 @@ def test_ridge_solve_overwrite_reuses_memory(rng, dtype, order):
     assert not np.array_equal(G, G_before)  # G now holds the Cholesky factor
 
 
+def relative_error(actual, reference):
+    return np.linalg.norm(actual - reference) / np.linalg.norm(reference)
+
+
+def float32_gram_system(rng, n=400, d=60, m=4):
+    """A = X^T X in float64, G the same Gram from float32 products, C, and A V as a function (exact products)."""
+    # Nonnegative features of uneven scales (a ReLU's outputs): float32 sums of their products are visibly off.
+    X = rng.uniform(0.0, 1.0, (n, d)) * rng.uniform(0.1, 10.0, d)
+    X32 = X.astype(np.float32)
+    G = (X32.T @ X32).astype(np.float64)
+    return X.T @ X, G, rng.standard_normal((d, m)), lambda V: X.T @ (X @ V)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_refined_ridge_solve_reaches_the_float64_solve_from_a_float32_gram(rng, order):
+    A, G, C, gram_product = float32_gram_system(rng)
+    G = np.triu(G).copy(order=order)
+    G_before = G.copy()
+    gamma = 1e-3
+    exact = np.linalg.solve(A + gamma * np.eye(len(A)), C)
+    unrefined = fastls.ridge_solve(G, C, gamma)
+    W, report = fastls.refined_ridge_solve(G, C, gamma, gram_product)
+    assert relative_error(unrefined, exact) > 1e-6  # the float32 Gram alone is far off
+    assert relative_error(W, exact) <= 1e-11
+    assert report["converged"] and 1 <= report["iterations"] <= 5 and report["correction"] <= 1e-9
+    np.testing.assert_array_equal(G, G_before)
+
+
+def test_refined_ridge_solve_overwrites_g_only_when_asked(rng):
+    A, G, C, gram_product = float32_gram_system(rng, d=20)
+    W, _ = fastls.refined_ridge_solve(G, C, 0.5, gram_product, overwrite_g=True)
+    assert relative_error(W, np.linalg.solve(A + 0.5 * np.eye(20), C)) <= 1e-11
+    assert not np.array_equal(np.triu(G), np.triu(A))  # G now holds the Cholesky factor
+
+
+def test_refined_ridge_solve_reports_a_g_too_far_from_a(rng):
+    A, _, C, gram_product = float32_gram_system(rng, d=20)
+    # G = A / 100: each step multiplies the error by about (A - G) (G + gamma I)^-1, near 99.
+    W, report = fastls.refined_ridge_solve(A / 100, C, 1e-3, gram_product)
+    assert not report["converged"] and report["iterations"] <= 2 and W.shape == C.shape
+
+
+def test_refined_ridge_solve_refuses_bad_input_by_name(rng):
+    A, G, C, gram_product = float32_gram_system(rng, d=10)
+    with pytest.raises(TypeError, match="float64"):
+        fastls.refined_ridge_solve(G.astype(np.float32), C.astype(np.float32), 1.0, gram_product)
+    with pytest.raises(ValueError, match=r"gram_product must return the shape of its argument \(10, 4\)"):
+        fastls.refined_ridge_solve(G, C, 1.0, lambda V: V[:5])
+    with pytest.raises(ValueError, match="NaN"):
+        fastls.refined_ridge_solve(G, C, 1.0, lambda V: np.full_like(V, np.nan))
+    with pytest.raises(ValueError, match="tol"):
+        fastls.refined_ridge_solve(G, C, 1.0, gram_product, tol=0.0)
+    with pytest.raises(ValueError, match="max_iter"):
+        fastls.refined_ridge_solve(G, C, 1.0, gram_product, max_iter=0)
+    with pytest.raises(np.linalg.LinAlgError, match="not positive definite"):
+        fastls.refined_ridge_solve(-10 * np.eye(10), C, 1.0, gram_product)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_proximal_solve_matches_numpy(rng, dtype):
     G, C = spd_system(rng, 40, 25, 6, dtype)

@@ -124,6 +124,55 @@ def test_the_dual_gram_of_float32_rows_multiplies_in_float64(rng):
     assert relative(np.triu(K), np.triu(F64 @ F64.T)) <= 1e-13
 
 
+def float32_rows(rng, n=40, d=3000):
+    # Nonnegative rows of uneven scales (a ReLU's outputs) and a small gamma: K from float32 products is
+    # visibly off (about 1e-6 in the solution here), as the 'same' DCNN's classifier is at full size.
+    F = (rng.uniform(0.0, 1.0, (n, d)) * rng.uniform(0.1, 10.0, d)).astype(np.float32)
+    return F, rng.standard_normal((n, 3))
+
+
+def test_the_rows_products_are_float64_products_in_one_pass(rng):
+    F, UZ = float32_rows(rng, d=100)
+    rows = FactoredRows.from_rows(F, UZ, panel_features=32)
+    alpha = rng.standard_normal((40, 3))
+    FtA, FFtA = rows.products(alpha, block_bytes=40 * 8 * 10)
+    F64 = F.astype(np.float64)
+    assert relative(FtA, F64.T @ alpha) <= 1e-14 and relative(FFtA, F64 @ (F64.T @ alpha)) <= 1e-14
+
+
+@pytest.mark.parametrize("refine", [True, False])
+def test_the_dual_solve_of_float32_rows_is_their_float64_ridge_solution(rng, refine):
+    F, UZ = float32_rows(rng)
+    F64, gamma = F.astype(np.float64), 1e-3
+    exact = F64.T @ np.linalg.solve(F64 @ F64.T + gamma * np.eye(len(F)), UZ)
+    rows = FactoredRows.from_rows(F, UZ, panel_features=1024)
+    from_float32_products = F64.T @ fastls.ridge_solve(dual_gram(rows, exact=False), UZ, gamma)
+    solver = DualSolve(gamma, None, 1, refine=refine)
+    W = solver.add(0, rows, {})
+    assert relative(from_float32_products, exact) > 1e-7  # what refining corrects
+    assert relative(W, exact) <= 1e-10
+    if refine:
+        report = solver.refinements[0]
+        assert report["converged"] and not report["fallback"] and report["iterations"] <= 5
+    else:
+        assert solver.refinements == {}
+
+
+def test_a_refinement_that_does_not_converge_is_solved_again_in_float64(rng, monkeypatch):
+    F, UZ = float32_rows(rng)
+    F64, gamma = F.astype(np.float64), 1e-3
+    exact = F64.T @ np.linalg.solve(F64 @ F64.T + gamma * np.eye(len(F)), UZ)
+    refined_ridge_solve = fastls.refined_ridge_solve
+    # One pass over F cannot reach 1e-300: the refinement reports no convergence.
+    monkeypatch.setattr(fastls, "refined_ridge_solve",
+                        lambda *args, **kwargs: refined_ridge_solve(*args, **kwargs, max_iter=1, tol=1e-300))
+    solver = DualSolve(gamma, None, 1)
+    with pytest.warns(RuntimeWarning, match="did not converge.*float64"):
+        W = solver.add(0, FactoredRows.from_rows(F, UZ), {})
+    assert solver.refinements[0]["fallback"] and not solver.refinements[0]["converged"]
+    assert relative(W, exact) <= 1e-10
+
+
 def test_the_dual_expands_coordinates_in_the_label_code(rng):
     X, Y = rng.standard_normal((8, 20)), rng.standard_normal((8, 3))
     Q = rng.standard_normal((3, 11))
@@ -317,6 +366,10 @@ def test_primal_and_dual_runs_give_the_same_weights(rng, variant, dtype, toleran
             assert r_dual["solve"]["form"] == "dual" and "solve" not in r_primal
             # Each client's F (n_i x d) and UZ (n_i x k) travel up instead of its G and C.
             assert r_dual["bytes_up"] > 0 and r_dual["bytes_up"] != r_primal["bytes_up"]
+            # float32 rows: K from float32 products, refined against float64 ones (recorded per group).
+            refined = r_dual["solve"].get("refinement", {})
+            assert (dtype == np.float32) == bool(refined)
+            assert all(report["converged"] and not report["fallback"] for report in refined.values())
     assert abs(dual["accuracy"] - primal["accuracy"]) <= 0.05
 
 
