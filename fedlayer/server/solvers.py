@@ -475,6 +475,7 @@ class DualSolve(LayerSolver):
             selection[str(k) if self.n_groups > 1 else "all"] = {
                 "gamma": gamma, "criterion": "gcv", "grid": grid.tolist(), "scores": scores.tolist()}
             alpha = path.dual_coefficients(gamma)
+            del K, path  # the N x N eigenvectors, before the pass that forms W
         elif self.refine and rows.dtype != np.float64:
             alpha = self._refined(k, rows, UZ)
         else:
