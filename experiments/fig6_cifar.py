@@ -284,7 +284,7 @@ def dual_server_note(record, position, rate, rate64=None):
             f"{flops / seconds / 1e9:.0f} GFLOP/s, {flops / server_rate:.0f} s at the {precision} gemm rate.")
     if refinement:
         passes = sum(report["iterations"] for report in refinement.values())
-        worst = max(report["correction"] for report in refinement.values())
+        worst = max((r["correction"] for r in refinement.values() if r["correction"] is not None), default=float("nan"))
         fallbacks = sum(report["fallback"] for report in refinement.values())
         note += (f" K from float32 products, the solve refined against float64 products with F in {passes} "
                  f"pass(es) over it (last correction {worst:.1e} of alpha"

@@ -209,6 +209,9 @@ def ridge_solve(G: np.ndarray, C: np.ndarray, gamma: float, *, overwrite_g: bool
 
 #: Corrections of :func:`refined_ridge_solve` at most this fraction of W (Frobenius) end the refinement.
 REFINE_TOLERANCE = 1e-9
+#: Where corrections stop halving (the float64 residuals' rounding reached), the refinement has converged when
+#: the last correction is at most this multiple of its ``tol``.
+REFINE_FLOOR = 100.0
 #: Residual evaluations :func:`refined_ridge_solve` makes at most.
 REFINE_MAX_ITER = 30
 
@@ -218,8 +221,9 @@ def refined_ridge_solve(G: np.ndarray, C: np.ndarray, gamma: float, gram_product
                         check_finite: bool = True) -> tuple[np.ndarray, dict]:
     """W = (A + gamma I)^-1 C by the Cholesky factor of an approximation G of A, refined against exact products A V.
 
-    Mixed-precision iterative refinement, as LAPACK's ``dsposv`` runs it
-    with a single-precision factor: with L L^T = G + gamma I,
+    Mixed-precision iterative refinement, the scheme of LAPACK's ``dsposv``
+    (whose approximation is a single-precision factor; here it is G): with
+    L L^T = G + gamma I,
 
         W_0 = (G + gamma I)^-1 C,
         R_k = C - (gram_product(W_k) + gamma W_k),   W_{k+1} = W_k + (G + gamma I)^-1 R_k,
@@ -233,6 +237,7 @@ def refined_ridge_solve(G: np.ndarray, C: np.ndarray, gamma: float, gram_product
     G : ndarray of shape (d, d), float64
         The approximation of A; only its upper triangle is read.
     C : ndarray of shape (d, m), float64
+        Not written.
     gamma : float > 0
     gram_product : callable, ndarray (d, m) float64 -> ndarray (d, m) float64
         A V for the symmetric positive semidefinite A, in float64.
@@ -250,19 +255,23 @@ def refined_ridge_solve(G: np.ndarray, C: np.ndarray, gamma: float, gram_product
     W : ndarray of shape (d, m), Fortran-ordered, float64
     report : dict
         ``"iterations"`` (calls of ``gram_product``), ``"correction"`` (the
-        last correction over ||W||) and ``"converged"`` (it is at most
-        ``tol``). The refinement also ends, unconverged, when a correction
-        is not at most half the previous one (rounding reached, or G too far
-        from A): the caller then solves with an exact Gram.
+        last correction over ||W||) and ``"converged"``. The refinement also
+        ends when a correction is not at most half the previous one: it has
+        then reached the rounding of the float64 residuals (as accurate as a
+        solve with the exact A would be), and counts as converged when that
+        correction is at most ``REFINE_FLOOR`` x ``tol``; above it, G is too
+        far from A, and the caller solves with an exact Gram.
 
     Raises
     ------
     TypeError
         If G or C is not float64.
     ValueError
-        As :func:`ridge_solve`, and if ``gram_product`` returns another shape or NaN/Inf.
+        As :func:`ridge_solve`, and if ``gram_product`` returns anything but a float64
+        array of its argument's shape, or one holding NaN/Inf.
     numpy.linalg.LinAlgError
-        If G + gamma I is not positive definite.
+        If G + gamma I is not positive definite (a G too far from A, or A + gamma I
+        too close to singular for G's rounding).
     """
     G, gamma = _check_solve(G, C, gamma, "gamma", "the ridge regularization", "raise", overwrite_g, check_finite)
     if G.dtype != np.float64:
@@ -270,16 +279,19 @@ def refined_ridge_solve(G: np.ndarray, C: np.ndarray, gamma: float, gram_product
     tol = _check_positive("tol", tol, "the relative size of the last correction")
     max_iter = _check_count("max_iter", max_iter)
     d = G.shape[0]
+    W = _working_rhs(C, False)
+    if d == 0:
+        return W, {"iterations": 0, "correction": 0.0, "converged": True}
     in_place = overwrite_g and G.flags.writeable and (G.flags.c_contiguous or G.flags.f_contiguous)
     A = G if in_place else G.copy(order="F" if G.flags.f_contiguous else "C")
     _kernels.add_diagonal(A, gamma)
-    W = _working_rhs(C, False)
     with sized_threads(d ** 3 / 3.0 + 2.0 * d * d * W.shape[1]):
         info = _kernels.cholesky_solve(A, *_layout(A), W)
     if info > 0:
         raise np.linalg.LinAlgError(
             f"refined_ridge_solve: G + gamma I is not positive definite (Cholesky failed at column {info}, "
-            f"gamma={gamma:g}); G must approximate a Gram matrix (upper triangle read)")
+            f"gamma={gamma:g}); G must approximate a Gram matrix (upper triangle read) closely enough, else "
+            f"solve with the exact Gram (ridge_solve)")
     if info < 0:  # pragma: no cover - an argument error is a bug here
         raise RuntimeError(f"LAPACK potrf/potrs rejected argument {-info}")
     return W, _refine(A, C, W, gamma, gram_product, tol, max_iter)
@@ -292,14 +304,17 @@ def _refine(factor, C, W, gamma, gram_product, tol, max_iter):
     report = {"iterations": 0, "correction": float("inf"), "converged": False}
     previous = float("inf")
     for _ in range(max_iter):
-        product = np.asarray(gram_product(W))
+        product = gram_product(W)
         report["iterations"] += 1
-        if product.shape != W.shape:
-            raise ValueError(f"gram_product must return the shape of its argument {W.shape}, got {product.shape}")
+        if not isinstance(product, np.ndarray) or product.shape != W.shape or product.dtype != np.float64:
+            got = (f"{product.dtype} array of shape {product.shape}" if isinstance(product, np.ndarray)
+                   else type(product).__name__)
+            raise ValueError(f"gram_product must return a float64 array of the shape of its argument {W.shape}, "
+                             f"got {got}")
+        _check_finite("gram_product(W)", product)
         residual = np.array(C, dtype=np.float64, order="F")
         residual -= product
         residual -= gamma * W
-        _check_finite("C - (gram_product(W) + gamma W)", residual)
         with sized_threads(2.0 * d * d * W.shape[1]):
             _kernels.cholesky_solve(factor, *_layout(factor), residual, True)
         W += residual
@@ -309,6 +324,7 @@ def _refine(factor, C, W, gamma, gram_product, tol, max_iter):
             report["converged"] = True
             break
         if correction > 0.5 * previous:
+            report["converged"] = correction <= REFINE_FLOOR * tol
             break
         previous = correction
     return report

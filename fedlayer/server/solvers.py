@@ -41,10 +41,13 @@ from ..options import SERVER_SOLVES
 __all__ = ["DualSolve", "FactoredRows", "FixedGamma", "GroupGCV", "LayerSolver", "PooledGCV", "RowStack",
            "SummedStatistics", "choose_solver", "dual_bytes", "dual_gram", "gcv_choice", "primal_bytes", "solve_form"]
 
-#: Largest block of the stacked rows the dual solve casts to float64 at once: at 45,000 rows, 2,982
-#: columns, so that K = F F^T, whose every update reads and writes all of K in float64, takes few passes
-#: over it.
+#: Largest block of the stacked rows the dual solve copies at once: at 45,000 rows, 2,982 columns cast to
+#: float64 (5,965 float32 ones for K's float32 products), so that K = F F^T, whose every update reads and
+#: writes all of K in float64, takes few passes over it.
 DUAL_BLOCK_BYTES = 2**30
+#: Passes over the stacked rows the refinement of a dual solve from float32 products makes at most: at full
+#: width a pass reads 23.6 GB, about 20 s, and 10 of them cost a fifth of what a float64 K adds.
+DUAL_REFINE_PASSES = 10
 #: Columns of each panel of the stacked rows (:class:`RowStack`): a client's rows are one write per panel.
 DUAL_BLOCK_FEATURES = 4096
 
@@ -237,6 +240,8 @@ class FactoredRows:
         Each block of F is cast to float64 before its products, whatever F's dtype.
         """
         alpha = np.asarray(alpha, dtype=np.float64)
+        if alpha.ndim != 2 or len(alpha) != self.shape[0]:
+            raise ValueError(f"alpha must have shape (rows, k) with rows = {self.shape[0]}, got {alpha.shape}")
         FtA = np.empty((self.shape[1], alpha.shape[1]))
         FFtA = np.zeros((self.shape[0], alpha.shape[1]))
         for columns, block in self.column_blocks(np.dtype(np.float64).itemsize, block_bytes):
@@ -432,8 +437,9 @@ class DualSolve(LayerSolver):
     products and the solve refined against float64 products with F
     (:func:`fastls.refined_ridge_solve`, a pass over F per step), which
     gives the solution of the float64 K's system for a fraction of its
-    cost; a refinement that does not converge is replaced by that float64
-    K's solve. With ``gamma="auto"`` each group's gamma minimizes GCV over
+    cost; a refinement that does not converge within ``DUAL_REFINE_PASSES``
+    passes, or whose float32 K + gamma I does not factor, is replaced by that
+    float64 K's solve. With ``gamma="auto"`` each group's gamma minimizes GCV over
     the eigendecomposition of its K, multiplied in float64
     (:meth:`fastls.RidgePath.from_kernel`, on
     :meth:`~fastls.RidgePath.from_statistics`'s grid: the criterion of
@@ -480,7 +486,7 @@ class DualSolve(LayerSolver):
             alpha = self._refined(k, rows, UZ)
         else:
             alpha = fastls.ridge_solve(dual_gram(rows, self.block_bytes), UZ, self.gamma, overwrite_g=True,
-                                       overwrite_c=True)
+                                       overwrite_c=UZ is not rows.UZ)  # the caller's UZ is not written
         W = np.empty((d, alpha.shape[1]))
         for columns, block in rows.column_blocks(8, self.block_bytes):
             W[columns] = fastls.matmul(np.asarray(block, dtype=np.float64).T, alpha, check_finite=False)
@@ -490,18 +496,26 @@ class DualSolve(LayerSolver):
 
     def _refined(self, k, rows, UZ):
         """alpha from float32 products' K, refined against float64 products with F; the float64 K's if that fails."""
-        alpha, report = fastls.refined_ridge_solve(
-            dual_gram(rows, self.block_bytes, exact=False), UZ, self.gamma,
-            lambda V: rows.products(V, self.block_bytes)[1], overwrite_g=True, check_finite=False)
-        report["fallback"] = not report["converged"]
+        try:
+            alpha, report = fastls.refined_ridge_solve(
+                dual_gram(rows, self.block_bytes, exact=False), UZ, self.gamma,
+                lambda V: rows.products(V, self.block_bytes)[1], overwrite_g=True, max_iter=DUAL_REFINE_PASSES,
+                check_finite=False)
+            why = (None if report["converged"] else
+                   f"it did not converge (last correction {report['correction']:.2g} of alpha after "
+                   f"{report['iterations']} passes over F)")
+        except np.linalg.LinAlgError:
+            # float32 rounding can leave K + gamma I indefinite where the float64 K's is not (K near singular).
+            report, why = {"iterations": 0, "correction": None, "converged": False}, (
+                "K + gamma I from float32 products is not positive definite")
+        report["fallback"] = why is not None
         self.refinements[k] = report
-        if report["fallback"]:
-            warnings.warn(f"group {k}'s dual solve from float32 products did not converge (last correction "
-                          f"{report['correction']:.2g} of alpha after {report['iterations']} passes over F); "
-                          f"solving again with K multiplied in float64", RuntimeWarning, stacklevel=2)
-            alpha = fastls.ridge_solve(dual_gram(rows, self.block_bytes), UZ, self.gamma, overwrite_g=True,
-                                       overwrite_c=True)
-        return alpha
+        if why is None:
+            return alpha
+        warnings.warn(f"group {k}'s dual solve from float32 products failed: {why}; solving again with K "
+                      f"multiplied in float64", RuntimeWarning, stacklevel=2)
+        return fastls.ridge_solve(dual_gram(rows, self.block_bytes), UZ, self.gamma, overwrite_g=True,
+                                  overwrite_c=UZ is not rows.UZ)
 
     def _final_gamma(self, withheld, selection):
         return self.gamma

@@ -454,7 +454,7 @@ def _take_rows(run, state, layer, k, args, on_client=None):
                    f"server solving in the dual over {stack.rows:,} rows")
         start = time.perf_counter()
         W = layer.solver.add(k, stack.stacked(), log.selection)
-        if k in layer.solver.refinements:  # a DualSolve's: float32 products refined in float64
+        if k in getattr(layer.solver, "refinements", {}):  # a DualSolve's: float32 products refined in float64
             layer.solve.setdefault("refinement", {})[str(k)] = layer.solver.refinements[k]
         layer.weights[k] = state.install(k, W, run.options.weights_in)
         log.server_s += time.perf_counter() - start

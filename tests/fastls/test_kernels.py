@@ -429,11 +429,31 @@ def test_refined_ridge_solve_reaches_the_float64_solve_from_a_float32_gram(rng, 
     np.testing.assert_array_equal(G, G_before)
 
 
-def test_refined_ridge_solve_overwrites_g_only_when_asked(rng):
+def test_refined_ridge_solve_overwrites_g_only_when_asked_and_never_c(rng):
     A, G, C, gram_product = float32_gram_system(rng, d=20)
+    G_before, C_before = G.copy(), C.copy()
     W, _ = fastls.refined_ridge_solve(G, C, 0.5, gram_product, overwrite_g=True)
     assert relative_error(W, np.linalg.solve(A + 0.5 * np.eye(20), C)) <= 1e-11
-    assert not np.array_equal(np.triu(G), np.triu(A))  # G now holds the Cholesky factor
+    assert not np.array_equal(G, G_before)  # G now holds the Cholesky factor
+    np.testing.assert_array_equal(C, C_before)
+
+
+def test_refined_ridge_solve_of_no_unknowns_is_empty():
+    W, report = fastls.refined_ridge_solve(np.zeros((0, 0)), np.zeros((0, 3)), 1.0, lambda V: V)
+    assert W.shape == (0, 3) and report == {"iterations": 0, "correction": 0.0, "converged": True}
+
+
+def test_refined_ridge_solve_stops_where_corrections_stop_halving(rng):
+    A, G, C, gram_product = float32_gram_system(rng)
+    # No correction reaches 1e-300: the steps go on until the float64 residuals' rounding, then stop.
+    _, floor = fastls.refined_ridge_solve(G, C, 1e-3, gram_product, tol=1e-300)
+    assert not floor["converged"] and floor["iterations"] < fastls._solve.REFINE_MAX_ITER
+    assert 0 < floor["correction"] <= 1e-11
+    # Where that rounding is within REFINE_FLOOR x tol of W, the solve has converged there.
+    tol = floor["correction"] / (fastls._solve.REFINE_FLOOR / 2)
+    W, report = fastls.refined_ridge_solve(G, C, 1e-3, gram_product, tol=tol)
+    assert report["converged"] and report["correction"] > tol
+    assert relative_error(W, np.linalg.solve(A + 1e-3 * np.eye(len(A)), C)) <= 1e-11
 
 
 def test_refined_ridge_solve_reports_a_g_too_far_from_a(rng):
@@ -447,9 +467,14 @@ def test_refined_ridge_solve_refuses_bad_input_by_name(rng):
     A, G, C, gram_product = float32_gram_system(rng, d=10)
     with pytest.raises(TypeError, match="float64"):
         fastls.refined_ridge_solve(G.astype(np.float32), C.astype(np.float32), 1.0, gram_product)
-    with pytest.raises(ValueError, match=r"gram_product must return the shape of its argument \(10, 4\)"):
+    expected = r"gram_product must return a float64 array of the shape of its argument \(10, 4\)"
+    with pytest.raises(ValueError, match=expected + r", got float64 array of shape \(5, 4\)"):
         fastls.refined_ridge_solve(G, C, 1.0, lambda V: V[:5])
-    with pytest.raises(ValueError, match="NaN"):
+    with pytest.raises(ValueError, match=expected + ", got float32 array"):
+        fastls.refined_ridge_solve(G, C, 1.0, lambda V: V.astype(np.float32))
+    with pytest.raises(ValueError, match=expected + ", got NoneType"):
+        fastls.refined_ridge_solve(G, C, 1.0, lambda V: None)
+    with pytest.raises(ValueError, match=r"gram_product\(W\).*NaN"):
         fastls.refined_ridge_solve(G, C, 1.0, lambda V: np.full_like(V, np.nan))
     with pytest.raises(ValueError, match="tol"):
         fastls.refined_ridge_solve(G, C, 1.0, gram_product, tol=0.0)

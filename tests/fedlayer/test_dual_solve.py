@@ -1,6 +1,7 @@
 """Factored uploads (F = U X, U Z behind a secret rotation) and the server's dual solve of wide layers."""
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -165,12 +166,48 @@ def test_a_refinement_that_does_not_converge_is_solved_again_in_float64(rng, mon
     refined_ridge_solve = fastls.refined_ridge_solve
     # One pass over F cannot reach 1e-300: the refinement reports no convergence.
     monkeypatch.setattr(fastls, "refined_ridge_solve",
-                        lambda *args, **kwargs: refined_ridge_solve(*args, **kwargs, max_iter=1, tol=1e-300))
+                        lambda *args, **kwargs: refined_ridge_solve(*args, **{**kwargs, "max_iter": 1}, tol=1e-300))
     solver = DualSolve(gamma, None, 1)
     with pytest.warns(RuntimeWarning, match="did not converge.*float64"):
         W = solver.add(0, FactoredRows.from_rows(F, UZ), {})
     assert solver.refinements[0]["fallback"] and not solver.refinements[0]["converged"]
     assert relative(W, exact) <= 1e-10
+
+
+def test_a_float32_k_that_does_not_factor_is_solved_again_in_float64(rng):
+    # More rows than features and a small gamma: K = F F^T is singular, and its float32 products' rounding
+    # leaves K + gamma I indefinite, where the float64 K's is positive definite.
+    F, UZ = float32_rows(rng, n=300, d=200)
+    F64, gamma = F.astype(np.float64), 1e-4
+    exact = np.linalg.solve(F64.T @ F64 + gamma * np.eye(200), F64.T @ UZ)
+    with pytest.raises(np.linalg.LinAlgError):
+        fastls.ridge_solve(dual_gram(FactoredRows.from_rows(F, UZ), exact=False), UZ, gamma)
+    solver = DualSolve(gamma, None, 1)
+    with pytest.warns(RuntimeWarning, match="not positive definite; solving again with K multiplied in float64"):
+        W = solver.add(0, FactoredRows.from_rows(F, UZ), {})
+    assert solver.refinements[0]["fallback"] and solver.refinements[0]["iterations"] == 0
+    assert relative(W, exact) <= 1e-6  # a system this near singular loses digits in float64 as well
+
+
+@pytest.mark.parametrize("refine", [True, False])
+def test_the_dual_solve_leaves_the_uploaded_uz_as_it_was(rng, refine, monkeypatch):
+    F, UZ = float32_rows(rng)
+    UZ = np.asfortranarray(UZ[:, :1])  # float64 and Fortran-ordered: what a solve could write into
+    before = UZ.copy()
+    if refine:  # the float64 K's solve after a refinement that did not converge
+        refined_ridge_solve = fastls.refined_ridge_solve
+        monkeypatch.setattr(fastls, "refined_ridge_solve",
+                            lambda *args, **kwargs: refined_ridge_solve(*args, **{**kwargs, "max_iter": 1}, tol=1e-300))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        DualSolve(1e-3, None, 1, refine=refine).add(0, FactoredRows.from_rows(F, UZ), {})
+    np.testing.assert_array_equal(UZ, before)
+
+
+def test_the_rows_products_refuse_coefficients_of_another_shape(rng):
+    rows = FactoredRows.from_rows(*float32_rows(rng, d=50))
+    with pytest.raises(ValueError, match=r"alpha must have shape \(rows, k\) with rows = 40, got \(40,\)"):
+        rows.products(np.ones(40), block_bytes=2**20)
 
 
 def test_the_dual_expands_coordinates_in_the_label_code(rng):
