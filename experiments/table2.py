@@ -96,6 +96,16 @@ def load_runs(paths):
     return runs, cells
 
 
+def replace_cells(runs, cells, replacing_runs, replacing_cells):
+    """``cells`` with ``replacing_cells`` in place of the same cells, and the runs that made what is left.
+
+    A run of ``runs`` keeps only its cells not replaced, and goes when none is left; ``replacing_runs`` follow.
+    """
+    cells = {**cells, **replacing_cells}
+    kept = [{**run, "cells": [c for c in run["cells"] if c not in replacing_cells]} for run in runs]
+    return [run for run in kept if run["cells"]] + replacing_runs, cells
+
+
 def seeded_datasets(settings, seeds, todo_for):
     """(seed, dataset, todo) per dataset of ``settings`` and seed with work left, loading each split once.
 
@@ -313,6 +323,9 @@ def main(argv=None):
                         help="per-client cores (default: the protocol's random 1..available); accuracy does "
                              "not depend on it, so parallel jobs may pin 1")
     parser.add_argument("--merge", nargs="+", default=[], help="--json files of earlier runs; their cells are kept")
+    parser.add_argument("--replace", nargs="+", default=[],
+                        help="--json files whose cells replace the same cells of --merge (e.g. the baselines at "
+                             "1,000 rounds in place of shorter budgets); the replaced cells' runs leave the list")
     parser.add_argument("--checkpoints", default="experiments/checkpoints",
                         help="folder of the baselines' checkpoints (every 10 rounds), to resume interrupted cells")
     parser.add_argument("--eval-every", type=_positive, default=10,
@@ -332,6 +345,8 @@ def main(argv=None):
     if own and any(os.path.samefile(own[0], path) for path in args.merge):
         own = []
     runs, cells = load_runs(args.merge + own)
+    if args.replace:
+        runs, cells = replace_cells(runs, cells, *load_runs(args.replace))
     if args.progress:
         print("\n".join(progress(cells, args.baseline_seeds, args.checkpoints)))
         return 0

@@ -54,6 +54,14 @@ def test_split_runs_merge_into_one_table(tmp_path):
                      "--merge", str(second)])
     with pytest.raises(SystemExit, match="also in an earlier --merge file"):
         table2.main([*common, "--merge", str(first), str(first)])
+    # A longer budget's cell replaces the merged one, and the run that made the old one leaves the list.
+    longer = tmp_path / "longer.json"
+    assert table2.main([*common, "--algorithms", "pfedme", "--baseline-rounds", "3", "--json", str(longer)]) == 0
+    assert table2.main([*common, "--algorithms", "fedacnnl", "--merge", str(tmp_path / "merged.json"),
+                        "--replace", str(longer)]) == 0
+    report = (tmp_path / "t.md").read_text()
+    assert "| synthetic-lr | pfedme | 3 |" in report and "| synthetic-lr | pfedme | 2 |" not in report
+    assert "--baseline-rounds 3" in report and "--baseline-rounds 2" not in report
 
 
 def test_the_same_command_again_keeps_its_cells_and_runs_only_the_missing(tmp_path, monkeypatch):
