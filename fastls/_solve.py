@@ -51,6 +51,14 @@ def _check_solve(G, C, shift, shift_name, meaning, on_failure, overwrite_g, chec
     return G, shift
 
 
+def _shifted(G, shift, overwrite_g):
+    """G + shift I (upper triangle), to be factored: in G itself when ``overwrite_g`` allows, else in a copy."""
+    in_place = overwrite_g and G.flags.writeable and (G.flags.c_contiguous or G.flags.f_contiguous)
+    A = G if in_place else G.copy(order="F" if G.flags.f_contiguous else "C")
+    _kernels.add_diagonal(A, shift)
+    return A
+
+
 def _spd_solve(G, rhs, shift, shift_name, overwrite_g, on_failure, what, prepare_rhs=None, failure=None):
     """(G + shift I)^-1 rhs, rhs already an F-ordered working array; arguments checked.
 
@@ -64,9 +72,7 @@ def _spd_solve(G, rhs, shift, shift_name, overwrite_g, on_failure, what, prepare
         if prepare_rhs is not None:
             prepare_rhs(rhs)
         return rhs
-    in_place = overwrite_g and G.flags.writeable and (G.flags.c_contiguous or G.flags.f_contiguous)
-    A = G if in_place else G.copy(order="F" if G.flags.f_contiguous else "C")
-    _kernels.add_diagonal(A, shift)
+    A = _shifted(G, shift, overwrite_g)
     with sized_threads(d ** 3 / 3.0 + 2.0 * d * d * rhs.shape[1]):
         if prepare_rhs is None:
             info = _kernels.cholesky_solve(A, *_layout(A), rhs)
@@ -282,9 +288,7 @@ def refined_ridge_solve(G: np.ndarray, C: np.ndarray, gamma: float, gram_product
     W = _working_rhs(C, False)
     if d == 0:
         return W, {"iterations": 0, "correction": 0.0, "converged": True}
-    in_place = overwrite_g and G.flags.writeable and (G.flags.c_contiguous or G.flags.f_contiguous)
-    A = G if in_place else G.copy(order="F" if G.flags.f_contiguous else "C")
-    _kernels.add_diagonal(A, gamma)
+    A = _shifted(G, gamma, overwrite_g)
     with sized_threads(d ** 3 / 3.0 + 2.0 * d * d * W.shape[1]):
         info = _kernels.cholesky_solve(A, *_layout(A), W)
     if info > 0:

@@ -234,8 +234,8 @@ class FactoredRows:
                 self.release()
             first += width
 
-    def products(self, alpha: np.ndarray, block_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-        """(F^T alpha (d, k), F F^T alpha (rows, k)), both float64, in one pass over F's columns.
+    def products(self, alpha: np.ndarray, block_bytes: int, gram: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+        """(F^T alpha (d, k), F F^T alpha (rows, k) or None without ``gram``), float64, in one pass over F's columns.
 
         Each block of F is cast to float64 before its products, whatever F's dtype.
         """
@@ -243,11 +243,12 @@ class FactoredRows:
         if alpha.ndim != 2 or len(alpha) != self.shape[0]:
             raise ValueError(f"alpha must have shape (rows, k) with rows = {self.shape[0]}, got {alpha.shape}")
         FtA = np.empty((self.shape[1], alpha.shape[1]))
-        FFtA = np.zeros((self.shape[0], alpha.shape[1]))
+        FFtA = np.zeros((self.shape[0], alpha.shape[1])) if gram else None
         for columns, block in self.column_blocks(np.dtype(np.float64).itemsize, block_bytes):
             block = np.asarray(block, dtype=np.float64)
             FtA[columns] = fastls.matmul(block.T, alpha, check_finite=False)
-            FFtA += fastls.matmul(block, FtA[columns], check_finite=False)
+            if gram:
+                FFtA += fastls.matmul(block, FtA[columns], check_finite=False)
         return FtA, FFtA
 
 
@@ -482,20 +483,19 @@ class DualSolve(LayerSolver):
                 "gamma": gamma, "criterion": "gcv", "grid": grid.tolist(), "scores": scores.tolist()}
             alpha = path.dual_coefficients(gamma)
             del K, path  # the N x N eigenvectors, before the pass that forms W
-        elif self.refine and rows.dtype != np.float64:
-            alpha = self._refined(k, rows, UZ)
         else:
-            alpha = fastls.ridge_solve(dual_gram(rows, self.block_bytes), UZ, self.gamma, overwrite_g=True,
-                                       overwrite_c=UZ is not rows.UZ)  # the caller's UZ is not written
-        W = np.empty((d, alpha.shape[1]))
-        for columns, block in rows.column_blocks(8, self.block_bytes):
-            W[columns] = fastls.matmul(np.asarray(block, dtype=np.float64).T, alpha, check_finite=False)
+            alpha = self._refined(k, rows, UZ) if self.refine and rows.dtype != np.float64 else None
+            if alpha is None:  # float64 rows, no refinement asked, or a refinement that failed
+                alpha = fastls.ridge_solve(dual_gram(rows, self.block_bytes), UZ, self.gamma, overwrite_g=True,
+                                           overwrite_c=UZ is not rows.UZ)  # the caller's UZ is not written
+        W = rows.products(alpha, self.block_bytes, gram=False)[0]
         if self.expand is not None:
             W = fastls.matmul(W, self.expand.astype(np.float64, copy=False), check_finite=False)
         return W
 
     def _refined(self, k, rows, UZ):
-        """alpha from float32 products' K, refined against float64 products with F; the float64 K's if that fails."""
+        """alpha from float32 products' K, refined against float64 products with F; None (after a warning) if
+        that fails, for the caller's solve with a float64 K."""
         try:
             alpha, report = fastls.refined_ridge_solve(
                 dual_gram(rows, self.block_bytes, exact=False), UZ, self.gamma,
@@ -514,8 +514,7 @@ class DualSolve(LayerSolver):
             return alpha
         warnings.warn(f"group {k}'s dual solve from float32 products failed: {why}; solving again with K "
                       f"multiplied in float64", RuntimeWarning, stacklevel=2)
-        return fastls.ridge_solve(dual_gram(rows, self.block_bytes), UZ, self.gamma, overwrite_g=True,
-                                  overwrite_c=UZ is not rows.UZ)
+        return None
 
     def _final_gamma(self, withheld, selection):
         return self.gamma
