@@ -30,10 +30,13 @@ How a round is batched
   within ``chunk_bytes``, on ``cores`` threads, one chunk per thread at a
   time, each BLAS call on one thread (NumPy releases the GIL in its
   products, draws and array arithmetic). Clients never interact within a
-  round, so chunking changes nothing but memory traffic; and many small
-  products split over BLAS threads stall whenever another process holds a
-  core, which one chunk per thread does not (the measurement is in
-  docs/results/fedlayer_notes.md).
+  round, so chunking changes nothing but memory traffic and how evenly the
+  threads are loaded (the parameters are the same bit for bit); and many
+  small products split over BLAS threads stall whenever another process
+  holds a core, which one chunk per thread does not (the measurement is in
+  docs/results/fedlayer_notes.md). The zeroth-order estimators' chunks are
+  small (``ZEROTH_ORDER_STACK_BYTES``) and cut by work, the costliest
+  first, so that both threads finish together (:meth:`ClientCohort._chunks`).
 
 There is no per-client clock: each member reports the cohort's wall time
 divided by the number of members as its ``compute_s``, and the result says
@@ -73,6 +76,15 @@ def _runs(values):
 
 #: Stacked arrays of one local step a chunk of clients may hold (bytes); see :meth:`ClientCohort._chunks`.
 CHUNK_BYTES = 16 << 20
+#: A zeroth-order chunk's stacked parameters may take this much (bytes), so that a block of
+#: directions and the sum it feeds stay in a core's cache.
+ZEROTH_ORDER_STACK_BYTES = 1 << 20
+#: A round's work is cut into about this many chunks per thread, so that the threads finish together.
+CHUNKS_PER_CORE = 4
+#: The algorithms whose clients step through epochs of their data: a client's work is its sample count.
+EPOCH_BASED = ("fedavg", "baffle")
+#: The algorithms that estimate gradients from directions.
+ZEROTH_ORDER = ("baffle", "fedzo", "pfedzo")
 #: Directions of a chunk drawn and evaluated at a time (bytes): a block is read back from cache.
 BLOCK_BYTES = 4 << 20
 
@@ -168,22 +180,43 @@ class ClientCohort:
         self._pending = pending
 
     def _chunks(self, algorithm, hyper):
-        """(lo, hi) slices of the members whose per-step arrays fit ``chunk_bytes``.
+        """(lo, hi) slices of the members, the costliest first, that keep the threads equally busy.
 
-        With minibatches of a fixed size (FedZO, pFedMe, pFedZO) a chunk also
-        holds only clients whose batches have the same number of rows.
+        A chunk holds at most what fits ``chunk_bytes`` (and, for the
+        zeroth-order estimators, ``ZEROTH_ORDER_STACK_BYTES`` of parameters),
+        and, for those, at most 1 / (``CHUNKS_PER_CORE`` cores) of the round's
+        work unless one client alone has more: a client's work is its sample
+        count in BAFFLE (epochs over its data) and one share in FedZO and
+        pFedZO (the same number of steps for all). The gradient algorithms'
+        steps cost mostly Python's overhead, so they take the fewest chunks
+        that fit, at least one per thread. With minibatches of a fixed size
+        (FedZO, pFedMe, pFedZO) a chunk also holds only clients whose batches
+        have the same number of rows.
         """
-        per_client = self.model.n_params * 8 * 6  # W, theta, the gradient and NumPy's temporaries
-        # At least one chunk per thread.
-        size = max(1, min(self.chunk_bytes // per_client, -(-len(self.members) // self.cores)))
+        params_bytes = self.model.n_params * 8
+        size = max(1, self.chunk_bytes // (params_bytes * 6))  # W, theta, the gradient and NumPy's temporaries
         # The local updates' own default (20) where the caller leaves the batch size to them.
         batch = hyper.get("b1" if algorithm == "fedzo" else "batch_size", 20)
-        rows = [min(int(batch), c.data.n_train) if algorithm not in ("fedavg", "baffle") else 0
-                for c in self.members]
+        rows = [min(int(batch), c.data.n_train) if algorithm not in EPOCH_BASED else 0 for c in self.members]
+        work = [c.data.n_train if algorithm in EPOCH_BASED else 1 for c in self.members]
+        if algorithm in ZEROTH_ORDER:
+            size = min(size, max(1, ZEROTH_ORDER_STACK_BYTES // params_bytes))
+            share = sum(work) / (CHUNKS_PER_CORE * self.cores)
+        else:
+            # A gradient step is mostly Python's overhead at these sizes: the fewest chunks, one per thread at least.
+            size = min(size, -(-len(self.members) // self.cores))
+            share = float("inf")
         chunks = []
         for lo, hi in _runs(rows):
-            chunks += [(a, min(a + size, hi)) for a in range(lo, hi, size)]
-        return chunks
+            first, load = lo, 0
+            for i in range(lo, hi):
+                if i > first and (i - first >= size or load + work[i] > share):
+                    chunks.append((first, i))
+                    first, load = i, 0
+                load += work[i]
+            chunks.append((first, hi))
+        # The threads take chunks in this order: the costliest first, the smallest to fill in at the end.
+        return sorted(chunks, key=lambda c: -sum(work[c[0]:c[1]]))
 
     # -- stacked data and draws -------------------------------------------------
     def _gather(self, lo, rows):

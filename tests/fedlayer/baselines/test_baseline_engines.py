@@ -83,6 +83,46 @@ def test_any_partition_and_chunking_gives_the_per_client_parameters(sizes, chunk
     assert rel(batched["params"], reference["params"]) <= 1e-10
 
 
+@pytest.mark.parametrize("algorithm", sorted(BASELINES))
+def test_every_chunking_gives_the_same_parameters_bit_for_bit(algorithm, monkeypatch):
+    # A run resumed with other chunk sizes (another machine's memory, a new release) repeats its rounding.
+    from fedlayer.baselines import cohort as cohort_module
+
+    data = ragged_clients(4)
+    model = BaselineClient(0, data[0], "dnn", N_CLASSES, 0).model
+    one, clients = train(data, algorithm, "dnn", "batched", rounds=2, cores=2, chunk_bytes=model.n_params * 8 * 6)
+    singles = clients[0].cohort._chunks(algorithm, small_hyper(algorithm, "dnn"))
+    monkeypatch.setattr(cohort_module, "CHUNKS_PER_CORE", 1)
+    monkeypatch.setattr(cohort_module, "ZEROTH_ORDER_STACK_BYTES", 1 << 30)
+    widest, clients = train(data, algorithm, "dnn", "batched", rounds=2, cores=1)
+    assert len(clients[0].cohort._chunks(algorithm, small_hyper(algorithm, "dnn"))) < len(singles) == len(data)
+    assert np.array_equal(one["params"], widest["params"])
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3])
+@pytest.mark.parametrize("algorithm", sorted(BASELINES))
+def test_chunks_hold_every_client_once_and_share_the_work_between_the_threads(algorithm, cores):
+    from fedlayer.baselines import cohort as cohort_module
+
+    sizes = (400, 90, 64, 50, 41, 40, 33, 25, 20, 20, 16, 7, 3, 2, 1, 1)
+    clients = [BaselineClient(i, d, "dnn", N_CLASSES, 0) for i, d in enumerate(ragged_clients(5, sizes))]
+    cohort = ClientCohort(clients, cores=cores)
+    hyper = small_hyper(algorithm, "dnn")
+    chunks = cohort._chunks(algorithm, hyper)
+    assert sorted(i for lo, hi in chunks for i in range(lo, hi)) == list(range(len(sizes)))
+    n_train = [c.data.n_train for c in cohort.members]
+    epoch_based = algorithm in cohort_module.EPOCH_BASED
+    work = [sum(n_train[lo:hi]) if epoch_based else hi - lo for lo, hi in chunks]
+    assert work == sorted(work, reverse=True)  # the costliest first
+    assert len(chunks) >= min(cores, len(sizes))
+    if algorithm in cohort_module.ZEROTH_ORDER:
+        share = (sum(n_train) if epoch_based else len(sizes)) / (cohort_module.CHUNKS_PER_CORE * cores)
+        assert all(w <= share or hi - lo == 1 for w, (lo, hi) in zip(work, chunks))
+    if not epoch_based:
+        batch = hyper.get("b1" if algorithm == "fedzo" else "batch_size")
+        assert all(len({min(batch, n) for n in n_train[lo:hi]}) == 1 for lo, hi in chunks)
+
+
 def test_a_cohort_refuses_clients_of_different_models():
     data = ragged_clients(2, (10, 12))
     clients = [BaselineClient(0, data[0], "lr", N_CLASSES, 0), BaselineClient(1, data[1], "dnn", N_CLASSES, 0)]
