@@ -76,8 +76,8 @@ def _runs(values):
 
 #: Stacked arrays of one local step a chunk of clients may hold (bytes); see :meth:`ClientCohort._chunks`.
 CHUNK_BYTES = 16 << 20
-#: A zeroth-order chunk's stacked parameters may take this much (bytes), so that a block of
-#: directions and the sum it feeds stay in a core's cache.
+#: A zeroth-order chunk's stacked parameters may take this much (bytes), so that one direction of
+#: every client in the chunk, and the sum it is added to, stay in a core's cache.
 ZEROTH_ORDER_STACK_BYTES = 1 << 20
 #: A round's work is cut into about this many chunks per thread, so that the threads finish together.
 CHUNKS_PER_CORE = 4
