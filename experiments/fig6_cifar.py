@@ -61,7 +61,7 @@ from dev_layout import REPOSITORY, use_shared_data
 from fedlayer.checkpoint import load_checkpoint
 from fedlayer.client import personalization_costs, target_bases
 from fedlayer.models import DCNN_PADDINGS, Conv2d, build_model
-from fedlayer.options import SERVER_SOLVES
+from fedlayer.options import ROUND_ACCURACIES, SERVER_SOLVES
 from fedlayer.run import RunConfig, load_dataset, run
 from fedlayer.timing import time_summary
 
@@ -98,7 +98,8 @@ def config_for(algorithm, args, output=None, shared=None):
     # How the server solves each layer changes no weight beyond rounding: not part of the fingerprint below.
     return RunConfig(algorithm=algorithm, dataset="cifar10", model="dcnn", width=args.width, padding=args.padding,
                      dtype="float32", seed=args.seed, cores=[2], output=output, conv_targets=args.conv_targets,
-                     server_solve=args.server_solve, server_memory=args.server_memory, **extra)
+                     server_solve=args.server_solve, server_memory=args.server_memory,
+                     round_accuracy=args.round_accuracy, **extra)
 
 
 def shared_checkpoint(algorithm, args):
@@ -375,7 +376,8 @@ def report(args):
         f"Command: `python experiments/fig6_cifar.py --width {args.width} --seed {args.seed} --conv-targets "
         f"{args.conv_targets}{'' if args.padding == 'valid' else ' --padding ' + args.padding}"
         f"{'' if args.server_memory is None else f' --server-memory {args.server_memory:g}'}"
-        f"{'' if args.server_solve == 'auto' else ' --server-solve ' + args.server_solve}` on "
+        f"{'' if args.server_solve == 'auto' else ' --server-solve ' + args.server_solve}"
+        f"{'' if args.round_accuracy == 'network' else ' --round-accuracy ' + args.round_accuracy}` on "
         f"{any_run['machine']}; 100 clients, Dirichlet beta = 0.1, gamma = 100, eps = 2500, "
         f"K = 10, every client 2 cores, float32 data with float64 statistics, convolutions' label codes "
         f"{'per output position' if args.conv_targets == 'position' else 'per image'}. "
@@ -443,7 +445,10 @@ def report(args):
     width = max(len(c) for c in curves.values())
     lines += [
         "Accuracy per round (%); algorithms without personalization carry their final accuracy over the rounds "
-        "the others spend personalizing, as in the paper:",
+        "the others spend personalizing, as in the paper"
+        + (":" if args.round_accuracy == "network" else "; rounds 1-4 score the layer just trained by its label "
+           "codes (`--round-accuracy codes`: each test image gets the class whose code is nearest the layer's "
+           "output), not the network with its later layers untrained:"),
         "",
         "| algorithm | " + " | ".join(str(i + 1) for i in range(width)) + " |",
         "|---" * (1 + width) + "|",
@@ -572,6 +577,9 @@ def main():
                         help="GiB the server's solve of a layer may hold (fedlayer run --server-memory)")
     parser.add_argument("--server-solve", choices=SERVER_SOLVES, default="auto",
                         help="how the server solves each layer (fedlayer run --server-solve)")
+    parser.add_argument("--round-accuracy", choices=ROUND_ACCURACIES, default="network",
+                        help="what rounds 1-4 score (fedlayer run --round-accuracy): the network, or the layer's "
+                             "label-code readout, which needs that layer's forward pass of the test split alone")
     parser.add_argument("--name", default="fig6", help="the report's file names: NAME.md, NAME_accuracy.png")
     parser.add_argument("--padding-json", default=str(REPOSITORY / "docs" / "results" / "fig6_padding.json"),
                         help="experiments/fig6_padding.py's rows, quoted by the report")
@@ -600,7 +608,8 @@ def main():
             child = [sys.executable, __file__, "--one", algorithm, "--width", str(args.width), "--seed",
                      str(args.seed), "--runs", args.runs, "--work", args.work, "--out", args.out,
                      "--conv-targets", args.conv_targets, "--padding", args.padding, "--server-solve",
-                     args.server_solve, *(["--server-memory", str(args.server_memory)] if args.server_memory else [])]
+                     args.server_solve, "--round-accuracy", args.round_accuracy,
+                     *(["--server-memory", str(args.server_memory)] if args.server_memory else [])]
             subprocess.run(child, check=True)
     return report(args)
 

@@ -47,13 +47,15 @@ def test_same_padding_runs_its_classifier_through_the_dual_at_a_server_memory_it
     the dual, the convolutions in the primal, and the weights are the primal run's."""
     dataset = _fake_cifar(np.random.default_rng(0))
     args = SimpleNamespace(width=1 / 64, padding="same", seed=0, conv_targets="position", server_solve="auto",
-                           server_memory=2.0 ** -9)
+                           server_memory=2.0 ** -9, round_accuracy="codes")
     config = dataclasses.replace(config_for("fedacnnl", args, output=str(tmp_path / "dual")), clients=3)
     assert (config.server_solve, config.server_memory, config.padding) == ("auto", 2.0 ** -9, "same")
     dual = run(config, dataset=dataset)
     primal = run(dataclasses.replace(config, server_solve="primal", output=None), dataset=dataset)
     forms = [r.get("solve", {"form": "primal"})["form"] for r in dual["rounds"].values()]
     assert forms == ["primal"] * 4 + ["dual"]
+    # The convolutions' rounds score their label codes, the classifier's the network.
+    assert [r.get("accuracy_of") for r in dual["rounds"].values()] == ["codes"] * 4 + [None]
     for W_dual, W_primal in zip(dual["group_weights"][0], primal["group_weights"][0]):
         assert np.linalg.norm(W_dual - W_primal) <= 1e-5 * np.linalg.norm(W_primal)
     record = list(dual["rounds"].values())[-1]

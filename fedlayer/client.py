@@ -11,6 +11,7 @@ import contextlib
 import errno
 import functools
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -359,12 +360,16 @@ class Client:
     def _split(self, split):
         return (self.data.x_train, self.data.y_train) if split == "train" else (self.data.x_test, self.data.y_test)
 
-    def _layer_inputs(self, split, layer_index):
+    def _layer_inputs(self, split, layer_index, tap=None):
         """Inputs of ``layers[layer_index]`` for every sample of the split, from the cache.
 
         Moves the cached activations forward through the layers they have
         not passed yet (the only forward computation), or starts from the
-        raw samples when the cache is past ``layer_index``.
+        raw samples when the cache is past ``layer_index``. ``tap``, a pair
+        (i, callback): when the cache moves on from the input of the trainable
+        ``layers[i]``, ``callback(s, z)`` sees each batch's pre-activation z of
+        that layer (samples s, s + 1, ...) before the layer's activation
+        overwrites it.
         """
         start, stored = self._activations.get(split, (0, None))
         if stored is None or start > layer_index:
@@ -375,7 +380,13 @@ class Client:
         out = self._new_activations(split, layer_index, len(x))
         step = self._forward_rows(start, layer_index)
         for s in range(0, len(x), step):
-            out[s:s + step] = self.model.forward(x[s:s + step], start=start, stop=layer_index)
+            h, first = x[s:s + step], start
+            if tap is not None and tap[0] == start:
+                layer = self.model.layers[start]
+                z = layer.pre_activation(h)
+                tap[1](s, z)
+                h, first = layer.activation.apply_inplace(z), start + 1
+            out[s:s + step] = self.model.forward(h, start=first, stop=layer_index)
         if isinstance(out, np.memmap):
             # No flush: the file is read back by this process through the page
             # cache, and a synchronous msync is slow (docs/results/protocol_notes.md).
@@ -770,12 +781,56 @@ class Client:
         return W, {"compute_s": time.perf_counter() - start, "method": criterion, "eps": eps,
                    "parts": {"forward_s": forward_s, "stats_s": stats_s, "solve_s": solve_s}}
 
-    def evaluate(self, batch_size: int = 4096) -> dict:
-        """(correct, total) of this client's current model on its local test split, in batches."""
+    def evaluate(self, batch_size: int = 4096, code_layer: int | None = None) -> dict:
+        """(correct, total) of this client's current model on its local test split, in batches.
+
+        Parameters
+        ----------
+        batch_size : int, default=4096
+        code_layer : int or None, default=None
+            Position of a trained hidden layer (one with a label code): each
+            test sample is then given the class whose least-squares target at
+            that layer (Z = Y Q_l, per output position for a convolution coded
+            per position) is nearest the layer's output, argmax_c 2 <z, t_c> -
+            ||t_c||^2, instead of the network's prediction. It costs that
+            layer's forward pass of the test split alone, the layers before it
+            being cached.
+        """
         # Cache through the layers that hold this stage's weights; the rest
         # (not trained yet, or about to be replaced) run uncached.
         with self._resident():
-            return self._evaluate(batch_size)
+            if code_layer is None:
+                return self._evaluate(batch_size)
+            return self._evaluate_codes(int(code_layer), batch_size)
+
+    def _evaluate_codes(self, position, batch_size):
+        if not 0 <= position < len(self.encoders):
+            raise ValueError(f"code_layer must be the position of a hidden layer with a label code, 0 to "
+                             f"{len(self.encoders) - 1}; got {position}")
+        index = self.model.trainable[position]
+        y = self.data.y_test
+        codes = self._targets(position, np.arange(self.n_classes))  # (classes, m) or (classes, out_h, out_w, m)
+        flat = codes.reshape(self.n_classes, -1)
+        correct = 0
+
+        def score(s, z):
+            nonlocal correct
+            positions = 1
+            if z.ndim > codes.ndim:  # a convolution coded per image: every output position aims at the same code
+                positions = math.prod(z.shape[1:-1])
+                z = z.reshape(len(z), positions, -1).sum(axis=1)
+            scores = 2.0 * fastls.matmul(z.reshape(len(z), -1), flat.T, check_finite=False)
+            scores -= positions * np.einsum("ck,ck->c", flat, flat)
+            correct += int(np.count_nonzero(scores.argmax(axis=1) == y[s:s + len(z)]))
+
+        # The readout rides on moving the test split's cache through the layer, as the network's evaluation
+        # would have: the layer's forward pass is computed once, and the next round starts after it.
+        if self._activations.get("test", (0, None))[0] > index:
+            self._drop("test")  # cached past the layer (scored before): the tap needs the pass through it
+        self._layer_inputs("test", index)
+        self._layer_inputs("test", self._evaluated_upto if self._evaluated_upto > index else index + 1,
+                           tap=(index, score))
+        return {"correct": correct, "total": len(y)}
 
     def _evaluate(self, batch_size):
         start_layer = self._evaluated_upto

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .run import RunConfig
 
 __all__ = ["BatchPolicy", "ClientOptions", "ServerOptions", "CLIENT_SCRATCH_BYTES", "CONV_TARGETS", "EPS_CRITERIA",
-           "FORWARD_MODES", "GAMMA_SCOPES", "SERVER_SOLVES", "UPLOAD_MODES"]
+           "FORWARD_MODES", "GAMMA_SCOPES", "ROUND_ACCURACIES", "SERVER_SOLVES", "UPLOAD_MODES"]
 
 #: A client computes one layer's statistics at a time, so it can afford four times fastls's default chunk
 #: (the measurement is in docs/results/protocol_notes.md).
@@ -44,6 +44,10 @@ GAMMA_SCOPES = ("all", "group")
 #: How the server solves a layer: the primal wherever its Gram fits the server's memory and the dual
 #: elsewhere ("auto"), or always one form (fedlayer.server.solvers.solve_form).
 SERVER_SOLVES = ("auto", "primal", "dual")
+#: What the accuracy after a federated round of a hidden layer scores: the whole network, its later layers
+#: still at their initial weights ("network"), or the layer just trained, each test sample given the class
+#: whose label code is nearest the layer's output ("codes"; only that layer's forward pass of the test split).
+ROUND_ACCURACIES = ("network", "codes")
 
 
 def _same_named(cls, config, names=None):
@@ -114,6 +118,12 @@ class ServerOptions:
         Overall test accuracy after every ``eval_every``-th training round
         (federated and personalization rounds counted together) and after
         the last; the others record None.
+    round_accuracy : {"network", "codes"}, default="network"
+        What the accuracy after a federated round of a hidden layer scores
+        (:data:`ROUND_ACCURACIES`): the network with its later layers
+        untrained, or the layer's label-code readout (the client's
+        ``evaluate(code_layer=...)``). The output layer's round and the
+        personalization rounds score the network either way.
     upload : {"coordinates", "targets"}, default="coordinates"
         What a hidden layer's cross statistics hold where the layer has a
         label code narrower than its outputs (:data:`UPLOAD_MODES`): the
@@ -145,6 +155,7 @@ class ServerOptions:
     seed: int = 0
     batch: BatchPolicy = field(default_factory=BatchPolicy)
     eval_every: int = 1
+    round_accuracy: str = "network"
     upload: str = "coordinates"
     stat_dtype: Any = np.float64
     weights_dtype: Any = None
@@ -156,6 +167,7 @@ class ServerOptions:
         if int(self.eval_every) < 1:
             raise ValueError(f"eval_every must be >= 1, got {self.eval_every}")
         _check_choice("upload", self.upload, UPLOAD_MODES)
+        _check_choice("round_accuracy", self.round_accuracy, ROUND_ACCURACIES)
         _check_choice("gamma_scope", self.gamma_scope, GAMMA_SCOPES)
         _check_choice("server_solve", self.server_solve, SERVER_SOLVES)
         if self.server_memory is not None and not self.server_memory > 0:

@@ -29,7 +29,8 @@ import fastls
 
 from ._validation import Boolean, InstanceOf, Interval, ListOf, Options, check_params
 from .algorithms import ALGORITHMS
-from .options import CONV_TARGETS, EPS_CRITERIA, FORWARD_MODES, GAMMA_SCOPES, SERVER_SOLVES, UPLOAD_MODES
+from .options import (CONV_TARGETS, EPS_CRITERIA, FORWARD_MODES, GAMMA_SCOPES, ROUND_ACCURACIES, SERVER_SOLVES,
+                      UPLOAD_MODES)
 from .data import KNOWN_DATASETS, ClientData, FederatedDataset, load_federated
 from .models import DCNN_PADDINGS, KNOWN_MODELS, Model, build_model, check_padding
 from .timing import Clock, time_summary
@@ -76,6 +77,7 @@ CONFIG_CONSTRAINTS = {
     "resume": [Boolean()],
     "rounds": [None, Interval(int, 1, None)],
     "eval_every": _POSITIVE_INT,
+    "round_accuracy": [Options(*ROUND_ACCURACIES)],
     "engine": [Options("batched", "per-client")],
     "checkpoint_every": _POSITIVE_INT,
     "hyper": [None, InstanceOf(dict, "a dict of hyperparameter names to numbers")],
@@ -131,6 +133,7 @@ class RunConfig:
     checkpoint_every: int = 10   # baselines only: rounds between checkpoints (and after the last)
     rounds: int | None = None    # baselines only: training rounds (default: the paper's, see BASELINES)
     eval_every: int = 1          # evaluate every this many training rounds (and the last)
+    round_accuracy: str = "network"  # analytic methods: a hidden layer's round scores the network, or its "codes"
     engine: str = "batched"      # baselines only: all of a process's clients step together, or "per-client" (timed)
     hyper: dict | None = None    # baselines only: hyperparameter overrides, e.g. {"lr": 1e-4} (see BASELINES)
     drop_clients: float = 0.0    # analytic methods: chance that a client fails in a round (seeded; simulated)

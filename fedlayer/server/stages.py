@@ -201,16 +201,18 @@ class ProtocolRun:
         if status is not None:
             status(what)
 
-    def timed_accuracy(self, log: RoundLog, evaluate: bool = True) -> float | None:
+    def timed_accuracy(self, log: RoundLog, evaluate: bool = True, code_layer: int | None = None) -> float | None:
         """Overall test accuracy, its seconds kept in the round's log (evaluation is not training time).
 
-        None, at no cost, when ``evaluate`` is false.
+        None, at no cost, when ``evaluate`` is false. ``code_layer``: score the
+        label-code readout of that hidden layer instead of the network.
         """
         if not evaluate:
             return None
         self.status("evaluating on the test splits")
         start = time.perf_counter()
-        accuracy = overall_accuracy(self.transport)
+        args = None if code_layer is None else {cid: {"code_layer": code_layer} for cid in self.transport.client_ids}
+        accuracy = overall_accuracy(self.transport, args)
         log.eval_s = time.perf_counter() - start
         return accuracy
 
@@ -496,7 +498,11 @@ def _end_round(run, state, layer):
     if run.variant.adaptive:
         state.batch.update(adaptive_batch_sizes(durations, state.first_durations, run.first_batch, run.max_batch))
     _send_weights(run, state, layer.position, layer.weights, log)
-    record = log.record(run.timed_accuracy(log, run.evaluated(layer.position + 1)))
+    readout = run.options.round_accuracy == "codes" and layer.position < run.n_layers - 1
+    record = log.record(run.timed_accuracy(log, run.evaluated(layer.position + 1),
+                                           layer.position if readout else None))
+    if readout and record["accuracy"] is not None:
+        record["accuracy_of"] = "codes"  # the layer's label-code readout, not the network's prediction
     if layer.contributors:
         # Anyone can check the differencing rule from the run's record (docs/design.md, "Secure sums").
         record["contributors"] = {str(k): parts for k, parts in sorted(layer.contributors.items())}

@@ -101,6 +101,8 @@ def test_factored_uploads_travel_to_rank_0_and_give_the_in_process_weights(tmp_p
     ("fedacnnl", {}, ["--drop-clients", "0.25"]),
     # secure sums with dropouts: exact integer sums, so the same numbers as the secure run in process
     ("pfedacnnl", {}, ["--secure", "--drop-clients", "0.1"]),
+    # the hidden layers' rounds scored by their label-code readout, on each client's rank
+    ("fedacnnl", {}, ["--round-accuracy", "codes", "--drop-clients", "0.25"]),
 ])
 def test_same_as_in_process(tmp_path, algorithm, extra_env, flags):
     reference = tmp_path / "inproc"
@@ -141,6 +143,9 @@ def test_same_as_in_process(tmp_path, algorithm, extra_env, flags):
             assert got["rounds"][key]["clients"][cid]["comm_s"] == pytest.approx(t["comm_s"], rel=rel), (key, cid)
     if flags:
         assert any(record.get("dropped") for record in ref["rounds"].values())
+    if "codes" in flags:
+        assert [r.get("accuracy_of") for r in got["rounds"].values()] == [
+            r.get("accuracy_of") for r in ref["rounds"].values()] == ["codes"] * (len(ref["rounds"]) - 1) + [None]
     # Rank 0 received one partial sum per rank and group, never one client's statistics.
     for record in got["rounds"].values():
         if record["stage"] == "federated":
