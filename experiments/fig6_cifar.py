@@ -102,6 +102,17 @@ def config_for(algorithm, args, output=None, shared=None):
                      round_accuracy=args.round_accuracy, **extra)
 
 
+def _readout_note(runs):
+    """What rounds 1-4 scored, read from the runs themselves (a kept run or a shared stage may predate a flag)."""
+    codes = [a for a, r in runs.items() if any(x.get("accuracy_of") == "codes" for x in r["rounds"].values())]
+    if not codes:
+        return ""
+    everyone = len(codes) == len(runs)
+    return (f"; rounds 1-4{'' if everyone else ' of ' + ', '.join(codes)} score the layer just trained by its label "
+            f"codes (`--round-accuracy codes`: each test image gets the class whose code is nearest the layer's "
+            f"output), {'not' if everyone else 'those of the others'} the network with its later layers untrained")
+
+
 def shared_checkpoint(algorithm, args):
     """The checkpoint of a finished federated stage ``algorithm`` can resume from, with that stage's cost.
 
@@ -445,10 +456,7 @@ def report(args):
     width = max(len(c) for c in curves.values())
     lines += [
         "Accuracy per round (%); algorithms without personalization carry their final accuracy over the rounds "
-        "the others spend personalizing, as in the paper"
-        + (":" if args.round_accuracy == "network" else "; rounds 1-4 score the layer just trained by its label "
-           "codes (`--round-accuracy codes`: each test image gets the class whose code is nearest the layer's "
-           "output), not the network with its later layers untrained:"),
+        "the others spend personalizing, as in the paper" + _readout_note(runs) + ":",
         "",
         "| algorithm | " + " | ".join(str(i + 1) for i in range(width)) + " |",
         "|---" * (1 + width) + "|",

@@ -11,7 +11,8 @@ from fedlayer.client import personalization_costs, target_bases
 from fedlayer.data import ClientData, FederatedDataset
 from fedlayer.models import build_model
 from fedlayer.run import run
-from fig6_cifar import PeakDisk, allocated_bytes, config_for, dual_ids, dual_server_note, factored_upload_flops
+from fig6_cifar import (PeakDisk, _readout_note, allocated_bytes, config_for, dual_ids, dual_server_note,
+                        factored_upload_flops)
 
 
 def test_dual_clients_follow_the_recorded_form_else_the_clients_cost_rule():
@@ -89,3 +90,14 @@ def test_the_peak_disk_counts_a_file_that_came_and_went_while_sampled(tmp_path):
         big.unlink()
     assert 3_000_000 <= disk.peak < 3_100_000
     assert allocated_bytes(tmp_path) < 100_000
+
+
+def test_the_report_says_which_runs_scored_rounds_1_to_4_by_their_label_codes():
+    def rounds(*marks):
+        return {"rounds": {str(i + 1): ({"accuracy_of": m} if m else {}) for i, m in enumerate(marks)}}
+
+    network, codes = rounds(None, None, None, None, None), rounds("codes", "codes", "codes", "codes", None)
+    assert _readout_note({"fedacnnl": network, "pfedacnnl": network}) == ""
+    assert "rounds 1-4 score the layer just trained by its label codes" in _readout_note({"fedacnnl": codes})
+    mixed = _readout_note({"fedacnnl": codes, "pfedacnnl-wc": network})
+    assert "rounds 1-4 of fedacnnl score" in mixed and "those of the others the network" in mixed

@@ -276,7 +276,8 @@ class BaselineAlgorithm(Algorithm):
     def ignored_options(self, config: RunConfig) -> list[str]:
         """Notes on the options ``config`` sets away from their defaults that this baseline never reads."""
         note = _ignored(config, self.name, ("gamma", "gamma_output", "eps", "eps_criterion", "groups",
-                                            "gamma_scope", "min_group_size", "server_solve", "server_memory"),
+                                            "gamma_scope", "min_group_size", "server_solve", "server_memory",
+                                            "round_accuracy"),
                         "the analytic methods (fedacnnl, pfedacnnl and their variants)")
         return [note] if note else []
 

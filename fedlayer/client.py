@@ -792,18 +792,19 @@ class Client:
             test sample is then given the class whose least-squares target at
             that layer (Z = Y Q_l, per output position for a convolution coded
             per position) is nearest the layer's output, argmax_c 2 <z, t_c> -
-            ||t_c||^2, instead of the network's prediction. It costs that
-            layer's forward pass of the test split alone, the layers before it
-            being cached.
+            ||t_c||^2, instead of the network's prediction (batches as the
+            test split's cache moves, not ``batch_size``). With the test split
+            cached at the layer's input, as it is when every round is scored,
+            it costs that layer's forward pass alone.
         """
         # Cache through the layers that hold this stage's weights; the rest
         # (not trained yet, or about to be replaced) run uncached.
         with self._resident():
             if code_layer is None:
                 return self._evaluate(batch_size)
-            return self._evaluate_codes(int(code_layer), batch_size)
+            return self._evaluate_codes(int(code_layer))
 
-    def _evaluate_codes(self, position, batch_size):
+    def _evaluate_codes(self, position):
         if not 0 <= position < len(self.encoders):
             raise ValueError(f"code_layer must be the position of a hidden layer with a label code, 0 to "
                              f"{len(self.encoders) - 1}; got {position}")

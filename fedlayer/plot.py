@@ -86,12 +86,15 @@ def _plot_accuracy(results, path, title, plt):
     ax.plot(rounds, accuracy, marker="o")
     # Analytic rounds train one layer each: mark which stage; the baselines' rounds are all alike.
     layered = any(results["rounds"][k]["layer"] is not None for k in keys)
+    codes = [k for k in keys if results["rounds"][k].get("accuracy_of") == "codes"]
     if layered:
         for k, x, y in zip(keys, rounds, accuracy):
-            ax.annotate(results["rounds"][k]["stage"][0].upper(), (x, y), textcoords="offset points",
-                        xytext=(0, 7), ha="center", fontsize=8)
+            # A round scored by its layer's label codes (--round-accuracy codes) is not the network's accuracy.
+            mark = results["rounds"][k]["stage"][0].upper() + ("c" if k in codes else "")
+            ax.annotate(mark, (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("round (F = federated layer, P = personalized layer)" if layered else "round")
+    ax.set_xlabel(("round (F = federated layer, P = personalized layer"
+                   + (", c = scored by the layer's label codes" if codes else "") + ")") if layered else "round")
     ax.set_ylabel("overall test accuracy (%)")
     ax.set_ylim(0, 105)
     ax.set_title(title, fontsize=11)

@@ -5,8 +5,9 @@ import pytest
 
 from fedlayer.client import Client, label_encoders, encoder_widths
 from fedlayer.models import build_model
-from fedlayer.options import ClientOptions, ServerOptions
-from fedlayer.server import Variant
+from fedlayer.options import BatchPolicy, ClientOptions, ServerOptions
+from fedlayer.server import ModelLayers, Variant, run_protocol
+from fedlayer.transport import InProcessTransport
 from tests.fedlayer.cases import N_CLASSES, client_data, dnn_config, run_clients
 
 SHAPE = (32, 32, 2)
@@ -85,3 +86,28 @@ def test_codes_change_the_hidden_rounds_accuracy_and_nothing_else(rng):
 def test_an_unknown_round_accuracy_is_refused():
     with pytest.raises(ValueError, match="round_accuracy"):
         ServerOptions(round_accuracy="layer")
+
+
+@pytest.mark.parametrize("cache_ram_bytes", [0, 1 << 24])  # activations memory-mapped, or in RAM
+def test_readouts_do_not_depend_on_which_rounds_were_scored_before(rng, cache_ram_bytes):
+    """pFedACnnL (groups, then personalization) with every round scored, and with every second round: the
+    readouts both score are equal, whatever the test cache held when each began."""
+    x, y = rng.random((120, 12)), rng.integers(0, N_CLASSES, 120)
+    datas = [client_data(x, y, part, n_test=15) for part in np.array_split(rng.permutation(120), 4)]
+
+    def run(eval_every):
+        clients = [Client(i, data, dnn_config(12), seed=3, n_classes=N_CLASSES,
+                          options=ClientOptions(cache_ram_bytes=cache_ram_bytes)) for i, data in enumerate(datas)]
+        n_layers = len(clients[0].model.trainable)
+        return run_protocol(InProcessTransport(clients), n_layers, Variant(cluster=True, personalize=True),
+                            ServerOptions(batch=BatchPolicy(8), groups=2, eval_every=eval_every,
+                                          round_accuracy="codes"), layers=ModelLayers())["rounds"]
+
+    every, second = run(1), run(2)
+    n_hidden = sum(r.get("accuracy_of") == "codes" for r in every)
+    assert n_hidden == len(every) // 2 - 1 >= 1
+    scored_twice = [k for k, r in enumerate(second) if r["accuracy"] is not None]
+    assert scored_twice
+    for k in scored_twice:
+        assert second[k]["accuracy"] == every[k]["accuracy"]
+        assert second[k].get("accuracy_of") == every[k].get("accuracy_of")

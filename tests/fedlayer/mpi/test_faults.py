@@ -292,6 +292,8 @@ def test_options_the_algorithm_ignores_get_a_note_and_the_run_goes_on(capsys, mo
     assert "note: groups applies to the grouping algorithms (pfedacnnl, pfedacnnl-wp)" in err
     assert main(["run", "--algorithm", "fedavg", "--model", "dnn", "--gamma", "auto"]) == 0
     assert "note: gamma applies to the analytic methods" in capsys.readouterr().err
+    assert main(["run", "--algorithm", "fedzo", "--model", "dnn", "--round-accuracy", "codes"]) == 0
+    assert "note: round_accuracy applies to the analytic methods" in capsys.readouterr().err
     assert main([*argv, "--quiet"]) == 0  # --quiet: no notes either
     assert capsys.readouterr().err == ""
     assert main(["run", "--clients", "12", "--algorithm", "pfedacnnl", "--eps", "auto", "--groups", "3"]) == 0
