@@ -128,11 +128,14 @@ def _summary(results):
             f"{max((c['idle_s'] for c in clients), default=0):>11.4f}"
         )
     layers = {r["layer"] for r in results["rounds"].values() if r["stage"] == "federated"}
-    if len(layers) > 1:
+    if any(r.get("accuracy_of") == "codes" for r in results["rounds"].values()):
+        lines.append("(the hidden layers' rounds score each layer's label codes, --round-accuracy codes: the class "
+                     "whose code is nearest the layer's output; the others score the network)")
+    elif len(layers) > 1:
         lines.append(
             f"(accuracy stays near chance, 1/{results['n_classes']}, until the last layer is trained: hidden "
             "layers are fitted to encoded labels, and the output layer keeps its random initial weights until "
-            "its own round)")
+            "its own round; --round-accuracy codes scores each hidden layer by its label codes instead)")
     if cfg.get("resume"):
         unit = "round" if "resumed_from_round" in results else "layer"
         resumed = results.get(f"resumed_from_{unit}")

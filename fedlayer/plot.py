@@ -94,7 +94,7 @@ def _plot_accuracy(results, path, title, plt):
             ax.annotate(mark, (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(("round (F = federated layer, P = personalized layer"
-                   + (", c = scored by the layer's label codes" if codes else "") + ")") if layered else "round")
+                   + (", c = scored by its label codes" if codes else "") + ")") if layered else "round")
     ax.set_ylabel("overall test accuracy (%)")
     ax.set_ylim(0, 105)
     ax.set_title(title, fontsize=11)

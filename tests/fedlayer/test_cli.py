@@ -35,6 +35,18 @@ def test_run_writes_results_models_and_plots(tmp_path, capsys):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_run_scored_by_label_codes_says_so_in_its_summary_and_plot(tmp_path, capsys):
+    out = tmp_path / "codes"
+    assert main(["run", *SMALL, "--algorithm", "fedacnnl", "--round-accuracy", "codes", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "the hidden layers' rounds score each layer's label codes" in printed
+    assert "stays near chance" not in printed
+    rounds = json.loads((out / "results.json").read_text())["rounds"]
+    assert [r.get("accuracy_of") for r in rounds.values() if r["stage"] == "federated"] == ["codes", "codes", None]
+    assert main(["plot", str(out / "results.json")]) == 0
+    assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_saved_model_predicts_like_the_run(tmp_path, capsys):
     out = tmp_path / "fed"
     assert main(["run", *SMALL, "--algorithm", "fedacnnl", "--output", str(out), "--quiet"]) == 0
