@@ -469,7 +469,11 @@ class Client:
                 self._drop(split)
         # Evaluation caches through this layer and the parameter-free layers
         # after it, up to the next trainable one (whose weights are not final yet).
-        self._evaluated_upto = next((i for i in self.model.trainable if i > layer_index), len(self.model.layers))
+        self._evaluated_upto = self._next_trainable(layer_index)
+
+    def _next_trainable(self, layer_index):
+        """Index of the first trainable layer after ``layers[layer_index]`` (the model's length if none)."""
+        return next((i for i in self.model.trainable if i > layer_index), len(self.model.layers))
 
     def _statistics(self, position, batch_size, rng, coordinates=False):
         """(X_l^T X_l, X_l^T Z_l) over the local training set, batch by batch (eq. 6).
@@ -812,6 +816,7 @@ class Client:
         y = self.data.y_test
         codes = self._targets(position, np.arange(self.n_classes))  # (classes, m) or (classes, out_h, out_w, m)
         flat = codes.reshape(self.n_classes, -1)
+        squared_norms = np.einsum("ck,ck->c", flat, flat)
         correct = 0
 
         def score(s, z):
@@ -821,7 +826,7 @@ class Client:
                 positions = math.prod(z.shape[1:-1])
                 z = z.reshape(len(z), positions, -1).sum(axis=1)
             scores = 2.0 * fastls.matmul(z.reshape(len(z), -1), flat.T, check_finite=False)
-            scores -= positions * np.einsum("ck,ck->c", flat, flat)
+            scores -= positions * squared_norms
             correct += int(np.count_nonzero(scores.argmax(axis=1) == y[s:s + len(z)]))
 
         # The readout rides on moving the test split's cache through the layer, as the network's evaluation
@@ -829,8 +834,7 @@ class Client:
         if self._activations.get("test", (0, None))[0] > index:
             self._drop("test")  # cached past the layer (scored before): the tap needs the pass through it
         self._layer_inputs("test", index)
-        self._layer_inputs("test", self._evaluated_upto if self._evaluated_upto > index else index + 1,
-                           tap=(index, score))
+        self._layer_inputs("test", self._next_trainable(index), tap=(index, score))
         return {"correct": correct, "total": len(y)}
 
     def _evaluate(self, batch_size):
