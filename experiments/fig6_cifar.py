@@ -30,6 +30,13 @@ once, on the run that computes it):
   (killed while personalizing or saving) resumes from its own checkpoint
   (``WORK/ALGORITHM/checkpoint.npz``) and only personalizes; that stage's
   wall time is then the sum of the parts its rounds measured.
+- Personalization checkpoints after every layer (each client keeps its
+  layers beside the checkpoint, ``checkpoint.personal/``): a run killed
+  while personalizing goes on from its last personalized layer (for -WC,
+  in FedACnnL's checkpoint, which it writes on), and the layers
+  personalized before count the parts their rounds measured. A finished
+  run's kept layers are deleted once its JSON is written (25 GB at full
+  width; its models are in WORK/ALGORITHM/personalized).
 - -WA runs by itself, because its batch sizes differ, so its time must be
   measured; its weights equal FedACnnL's, so it is evaluated after its last
   round only (``--eval-every 5``), and its accuracy per round is FedACnnL's
@@ -48,6 +55,7 @@ import json
 import platform
 import resource
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -58,11 +66,12 @@ import numpy as np
 
 import fastls
 from dev_layout import REPOSITORY, use_shared_data
-from fedlayer.checkpoint import load_checkpoint
+from fedlayer.checkpoint import Checkpointing, load_checkpoint
 from fedlayer.client import personalization_costs, target_bases
 from fedlayer.models import DCNN_PADDINGS, Conv2d, build_model
 from fedlayer.options import ROUND_ACCURACIES, SERVER_SOLVES
 from fedlayer.run import RunConfig, load_dataset, run
+from fedlayer.server import ServerState
 from fedlayer.timing import time_summary
 
 RUN_ALGORITHMS = ["fedacnnl", "fedacnnl-wa", "pfedacnnl", "pfedacnnl-wc"]
@@ -140,20 +149,35 @@ def shared_checkpoint(algorithm, args):
         # (a full-width 'same' round takes most of an hour: a killed run continues, it does not start over).
         if state["layers_done"] != N_LAYERS and (source != algorithm or state["layers_done"] == 0):
             continue
+        rounds = state["rounds"].values() if isinstance(state["rounds"], dict) else state["rounds"]
         if source != algorithm:
             measured = json.loads(source_json.read_text())["fig6"]
-            return {"checkpoint": str(checkpoint), "from": source, "wall_s": measured["wall_s"],
-                    "peak_rss_bytes": measured["peak_rss_bytes"], "wall": f"{source}'s run"}
+            shared = {"checkpoint": str(checkpoint), "from": source, "wall_s": measured["wall_s"],
+                      "peak_rss_bytes": measured["peak_rss_bytes"], "wall": f"{source}'s run"}
+            config = config_for(algorithm, args)
+            tag = Checkpointing(checkpoint, fingerprint, config.personalization_fingerprint()).tag
+            if state["personalized"] and state["personal_tag"] == tag:
+                # An interrupted run of this algorithm personalized some layers there, and this one goes on from
+                # them: their time is the sum of the parts those rounds measured (its clock was lost with it).
+                earlier = [r for r in rounds if r["stage"] == "personalization"]
+                shared["wall_s"] += sum(_measured_s(r) for r in earlier)
+                shared["wall"] += (f" + the {len(earlier)} layer(s) an interrupted run of {algorithm} personalized "
+                                   f"(the sum of the parts their rounds measured)")
+            return shared
         # the interrupted process's own clock was lost with it: its wall is the sum of the parts its rounds
         # measured (clients' compute, server solves, evaluations), 98 % of the wall on FedACnnL's full run
-        rounds = state["rounds"].values() if isinstance(state["rounds"], dict) else state["rounds"]
-        wall = sum(sum(c["compute_s"] for c in r["clients"].values()) + r["server_s"] + (r.get("eval_s") or 0.0)
-                   for r in rounds)
+        wall = sum(_measured_s(r) for r in rounds)
         return {"checkpoint": str(checkpoint), "from": source, "wall_s": wall, "peak_rss_bytes": None,
                 "layers_done": state["layers_done"],
                 "wall": "the sum of the parts measured by its interrupted run (clients' compute, server solves, "
                         "evaluations; its own clock and peak memory were lost with it)"}
     return None
+
+
+def _measured_s(record):
+    """The seconds a round's record measured: its clients' compute, the server's solve, the evaluation."""
+    return (sum(c["compute_s"] for c in record["clients"].values()) + record["server_s"]
+            + (record.get("eval_s") or 0.0))
 
 
 def allocated_bytes(folder):
@@ -226,7 +250,23 @@ def run_one(algorithm, args):
         "command": " ".join(["python", "experiments/fig6_cifar.py", *sys.argv[1:]]),
     }
     (runs / f"{algorithm}.json").write_text(json.dumps(results, indent=1))
+    release_personal_layers(config)
     print(f"{algorithm}: accuracy {results['accuracy']:.4f}, wall {results['fig6']['wall_s']:.0f} s", flush=True)
+
+
+def release_personal_layers(config):
+    """Delete the personalized layers a finished run's clients kept beside its checkpoint (25 GB at full width).
+
+    The checkpoint is first rewritten without its personalization rounds, so
+    that it never counts layers that are gone: it holds the federated stage
+    again, as before the run personalized.
+    """
+    path = config.checkpoint_path()
+    checkpoint = Checkpointing(path, config.fingerprint(), config.personalization_fingerprint())
+    if not checkpoint.personal_folder.exists():
+        return
+    checkpoint.save(ServerState.from_checkpoint(load_checkpoint(path, config.fingerprint())).without_personalization())
+    shutil.rmtree(checkpoint.personal_folder)
 
 
 def forward_methods(model):

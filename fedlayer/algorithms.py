@@ -198,20 +198,26 @@ class AnalyticAlgorithm(Algorithm):
     def train(self, config: RunConfig, transport: Transport, model: Model, clock: Clock,
               progress: Callable[[str], None] | None) -> Outcome:
         resume_state = None
-        checkpoint = config.checkpoint_path()
-        if config.resume and checkpoint.exists():
-            resume_state = ServerState.from_checkpoint(load_checkpoint(checkpoint, config.fingerprint()))
+        path = config.checkpoint_path()
+        checkpoint = None if path is None else Checkpointing(path, config.fingerprint(),
+                                                             config.personalization_fingerprint())
+        if config.resume and path.exists():
+            saved = load_checkpoint(path, config.fingerprint())
+            resume_state = ServerState.from_checkpoint(saved)
+            if not self.variant.personalize or saved["personal_tag"] != checkpoint.tag:
+                # Rounds personalized by another run (another algorithm, eps...) are not this run's to go on from.
+                resume_state = resume_state.without_personalization()
         n_layers = len(model.trainable)
         layers_done = resume_state.layers_done if resume_state else 0
-        announce_rounds(progress, n_layers - layers_done + (n_layers if self.variant.personalize else 0))
+        personalized = resume_state.personalized if resume_state else 0
+        announce_rounds(progress, n_layers - layers_done + (n_layers - personalized if self.variant.personalize else 0))
         outcome = run_protocol(
             transport, n_layers, self.variant, ServerOptions.from_config(config, weights_dtype=model.dtype),
             layers=ModelLayers(target_bases(model, config.seed, config.conv_targets),
                                [model.layers[i].ls_shape(model.input_shape_of(i)) for i in model.trainable]),
             secure=SecureServer(config.seed, min_group_size=config.min_group_size) if config.secure else None,
             clock=clock, progress=progress,
-            checkpoint=None if checkpoint is None else Checkpointing(checkpoint, config.fingerprint()),
-            resume=resume_state,
+            checkpoint=checkpoint, resume=resume_state,
         )
         group_of = {int(cid): k for cid, k in outcome["groups"].items()}
         group_weights = outcome["group_weights"]
@@ -231,7 +237,8 @@ class AnalyticAlgorithm(Algorithm):
             rounds=outcome["rounds"], accuracy=outcome["accuracy"],
             results={"groups": outcome["groups"],
                      **({"secure": outcome["secure"]} if "secure" in outcome else {}),
-                     "resumed_from_layer": layers_done if resume_state else None},
+                     "resumed_from_layer": layers_done if resume_state else None,
+                     **({"resumed_personalized": personalized} if personalized else {})},
             in_memory={"group_weights": group_weights}, files=files,
         )
 

@@ -6,6 +6,13 @@ first round's durations (eq. 7) and the round records so far. Weights are
 stored bit for bit, with a SHA-256 digest of the whole state, so a damaged
 file is refused rather than resumed from.
 
+A personalized run also checkpoints after every personalization round: the
+server's checkpoint counts the rounds done, and each client writes the layer
+it personalized to a file of its own beside it (:func:`save_personal_layer`,
+under ``CHECKPOINT.personal/``, on the machine where the client runs), so
+that the personalized weights never reach the server. A resumed run reads
+them back (:func:`load_personal_layer`) and personalizes the layers left.
+
 A resumed run repeats what an uninterrupted one computes from the same
 finished layers. With fixed batch sizes (``fedacnnl-wa``, ``acnnl``) its
 weights are bit for bit those of an uninterrupted run. With eq. (7) the batch
@@ -34,9 +41,11 @@ import numpy as np
 if TYPE_CHECKING:
     from .server import ServerState
 
-__all__ = ["Checkpointing", "check_fingerprint", "load_checkpoint", "read_state", "save_checkpoint", "write_state"]
+__all__ = ["Checkpointing", "check_fingerprint", "load_checkpoint", "load_personal_layer", "personal_layer_path",
+           "read_state", "save_checkpoint", "save_personal_layer", "write_state"]
 
 _FORMAT = "fedlayer-checkpoint-2"
+_PERSONAL_FORMAT = "fedlayer-personal-layer-1"
 #: Fingerprint keys added after checkpoints of this format were written, with the behaviour before them: an
 #: older checkpoint, which lacks the key, matches a run with that value.
 _ADDED_KEYS = {"gamma_scope": "all", "padding": "valid"}
@@ -56,7 +65,8 @@ def _digest(state_json, arrays):
 
 
 def save_checkpoint(path: str | os.PathLike, *, fingerprint: dict, layers_done: int, group_of: dict,
-                    group_weights: dict, batch: dict, first_durations: dict | None, rounds: list) -> None:
+                    group_weights: dict, batch: dict, first_durations: dict | None, rounds: list,
+                    personalized: int = 0, personal_tag: str | None = None) -> None:
     """Write the state to ``path`` atomically (temporary file, fsync, rename)."""
     state = {
         "format": _FORMAT,
@@ -67,6 +77,8 @@ def save_checkpoint(path: str | os.PathLike, *, fingerprint: dict, layers_done: 
         "first_durations": None if first_durations is None else {str(k): v for k, v in first_durations.items()},
         "rounds": rounds,
         "groups": sorted(group_weights),
+        "personalized": personalized,
+        "personal_tag": personal_tag,
     }
     arrays = {f"w_{k}_{i}": W for k, weights in group_weights.items() for i, W in enumerate(weights)}
     write_state(path, state, arrays)
@@ -113,8 +125,10 @@ def check_fingerprint(path: str | os.PathLike, saved: dict, fingerprint: dict) -
                          f"{_start_over(path)}")
 
 
-def read_state(path: str | os.PathLike, expected_format: str) -> tuple[dict, dict]:
+def read_state(path: str | os.PathLike, expected_format: str, start_over: str | None = None) -> tuple[dict, dict]:
     """(state, arrays) written by :func:`write_state`, refused unless intact and of ``expected_format``.
+
+    ``start_over`` ends every refusal's message (default: remove ``path``).
 
     Raises
     ------
@@ -122,7 +136,7 @@ def read_state(path: str | os.PathLike, expected_format: str) -> tuple[dict, dic
         If the file is empty, truncated, damaged, not a fedlayer checkpoint
         or of another format; the message says how to start over.
     """
-    start_over = _start_over(path)
+    start_over = _start_over(path) if start_over is None else start_over
     try:
         data = np.load(path, allow_pickle=False)
         if not isinstance(data, np.lib.npyio.NpzFile):
@@ -169,6 +183,9 @@ def load_checkpoint(path: str | os.PathLike, fingerprint: dict) -> dict:
         else {int(k): v for k, v in state["first_durations"].items()},
         "rounds": state["rounds"],
         "group_weights": group_weights,
+        # absent from checkpoints written before personalization was checkpointed
+        "personalized": state.get("personalized", 0),
+        "personal_tag": state.get("personal_tag"),
     }
 
 
@@ -182,11 +199,71 @@ class Checkpointing:
     fingerprint : dict
         The run's settings that determine the trained weights
         (:meth:`fedlayer.run.RunConfig.fingerprint`).
+    personalization : dict
+        The settings that determine the personalized layers besides those
+        (:meth:`fedlayer.run.RunConfig.personalization_fingerprint`): a run
+        resumes the personalization rounds of a checkpoint only when they
+        match, and personalizes anew otherwise.
     """
 
     path: str | Path
     fingerprint: dict = field(default_factory=dict)
+    personalization: dict = field(default_factory=dict)
 
     def save(self, state: ServerState) -> None:
         """Write ``state`` (a :class:`fedlayer.server.ServerState`) atomically."""
-        save_checkpoint(self.path, fingerprint=self.fingerprint or {}, **state.fields())
+        save_checkpoint(self.path, fingerprint=self.fingerprint or {}, personal_tag=self.tag, **state.fields())
+
+    @property
+    def personal_folder(self) -> Path:
+        """Where each client keeps the layers it personalized (``CHECKPOINT.personal``, beside the checkpoint)."""
+        path = Path(self.path)
+        return path.with_name(path.stem + ".personal")
+
+    @property
+    def tag(self) -> str:
+        """A digest of both fingerprints: personalized layers are read back only by a run of the same settings."""
+        settings = {"fingerprint": self.fingerprint or {}, "personalization": self.personalization or {}}
+        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def personal_layer_path(folder: str | os.PathLike, client_id: int, position: int) -> Path:
+    """The file of client ``client_id``'s personalized layer ``position`` (0-based) under ``folder``."""
+    return Path(folder) / f"client{int(client_id)}_layer{int(position)}.npz"
+
+
+def save_personal_layer(folder: str | os.PathLike, client_id: int, position: int, weights: np.ndarray, tag: str,
+                        choice: dict | None = None) -> Path:
+    """Write a client's personalized layer atomically, with the run's ``tag`` and what the client chose.
+
+    Returns the file's path (:func:`personal_layer_path`).
+    """
+    path = personal_layer_path(folder, client_id, position)
+    state = {"format": _PERSONAL_FORMAT, "client": int(client_id), "position": int(position), "tag": tag,
+             "choice": choice}
+    write_state(path, state, {"weights": weights})
+    return path
+
+
+def load_personal_layer(folder: str | os.PathLike, client_id: int, position: int, tag: str) -> tuple[np.ndarray, dict]:
+    """(weights, choice) of :func:`save_personal_layer`, refused unless intact and written by this run.
+
+    Raises
+    ------
+    ValueError
+        If the file is missing, damaged, another client's or layer's, or
+        written by a run of other settings; the message names the file.
+    """
+    path = personal_layer_path(folder, client_id, position)
+    start_over = (f"remove the checkpoint these layers belong to (beside {Path(folder)}) to start over, or run "
+                  f"without --resume")
+    if not path.exists():
+        raise ValueError(f"client {client_id}'s personalized layer {position + 1} is not at {path}: each client "
+                         f"writes its layers where it runs, so resume where the run was (the same machine, or a "
+                         f"folder every MPI rank sees); or {start_over}")
+    state, arrays = read_state(path, _PERSONAL_FORMAT, start_over)
+    if (state["client"], state["position"], state["tag"]) != (int(client_id), int(position), tag):
+        raise ValueError(f"{path} holds client {state['client']}'s layer {state['position'] + 1} of the run "
+                         f"{state['tag']}, not client {client_id}'s layer {position + 1} of this run ({tag}); "
+                         f"{start_over}")
+    return arrays["weights"], state["choice"]

@@ -139,7 +139,9 @@ def _summary(results):
     if cfg.get("resume"):
         unit = "round" if "resumed_from_round" in results else "layer"
         resumed = results.get(f"resumed_from_{unit}")
-        lines.append(f"(resumed from the checkpoint after {unit} {resumed})" if resumed is not None else
+        personalized = results.get("resumed_personalized")
+        also = f" and {personalized} personalized layer(s), read back by their clients" if personalized else ""
+        lines.append(f"(resumed from the checkpoint after {unit} {resumed}{also})" if resumed is not None else
                      f"(--resume found no checkpoint at {RunConfig.from_dict(cfg).checkpoint_path()}, so "
                      f"the run started from its first {unit})")
     if results.get("engine") == "batched":
@@ -290,11 +292,15 @@ def cmd_run(args: argparse.Namespace, mpi_hooks: object | None = None) -> int:
 def _resume_hint(config):
     """What an interrupted run left to go on from."""
     from .algorithms import ALGORITHMS, BaselineAlgorithm
+    from .checkpoint import Checkpointing
 
     checkpoint = config.checkpoint_path()
     baseline = isinstance(ALGORITHMS[config.algorithm], BaselineAlgorithm)
     if checkpoint is not None and checkpoint.exists():
-        return (f"the {'rounds' if baseline else 'layers'} trained so far are in {checkpoint}: run the same "
+        folder = Checkpointing(checkpoint).personal_folder
+        kept = (f" (and the layers personalized so far, each client's under {folder})"
+                if getattr(ALGORITHMS[config.algorithm], "personalized", False) else "")
+        return (f"the {'rounds' if baseline else 'layers'} trained so far are in {checkpoint}{kept}: run the same "
                 "command with --resume to go on")
     if checkpoint is not None:
         return (f"no checkpoint had been written yet (every {config.checkpoint_every} rounds)" if baseline

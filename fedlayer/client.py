@@ -24,6 +24,7 @@ import numpy as np
 
 import fastls
 
+from .checkpoint import load_personal_layer, personal_layer_path, save_personal_layer
 from .data import ClientData, one_hot
 from .models import Model
 from .options import CLIENT_SCRATCH_BYTES, CONV_TARGETS, EPS_CRITERIA, FORWARD_MODES, ClientOptions
@@ -219,6 +220,14 @@ def _shared_cast(W, dtype):
 #: The layer whose statistics the arrays recycled in this process (fastls.recycled_array) were
 #: last sized for; a client of another layer releases them first.
 _RECYCLED_FOR_LAYER = None
+
+
+def _load_parked(path):
+    """Weights parked in ``path``: a cache's .npy file, or a checkpoint's personalized layer (.npz)."""
+    if Path(path).suffix == ".npz":
+        with np.load(path) as stored:
+            return stored["weights"]
+    return np.load(path)
 
 
 def _remove_files(paths):
@@ -434,21 +443,27 @@ class Client:
         """
         layers = self.model.layers
         for index, path in self._parked.items():
-            layers[index].set_weights(_read_only(np.load(path)))
+            layers[index].set_weights(_read_only(_load_parked(path)))
         try:
             yield
         finally:
             for index in self._parked:
                 layers[index].weights = None
 
-    def _install_personal(self, layer_index, W):
+    def _install_personal(self, layer_index, W, kept=None):
+        """Make W the personalized weights of ``layers[layer_index]``; parked on disk when too large to hold.
+
+        ``kept``: a checkpoint's file that already holds W (:func:`fedlayer.checkpoint.save_personal_layer`),
+        parked on instead of writing W again.
+        """
         layer = self.model.layers[layer_index]
         layer.set_weights(W)
         self._parked.pop(layer_index, None)
         if layer.weights.nbytes > self.cache_ram_bytes:
-            path = self._cache_path(f"weights_layer{layer_index}")
-            np.save(path, layer.weights)
-            self._parked[layer_index] = path
+            if kept is None:
+                kept = self._cache_path(f"weights_layer{layer_index}")
+                np.save(kept, layer.weights)
+            self._parked[layer_index] = kept
         self._weights_changed(layer_index)
 
     def _drop(self, split):
@@ -685,7 +700,8 @@ class Client:
         self.meta_weights[position] = weights
         return {}
 
-    def personalize(self, position: int, eps: float | str, batch_size: int, private: bool = False) -> dict:
+    def personalize(self, position: int, eps: float | str, batch_size: int, private: bool = False,
+                    keep_in: str | None = None, tag: str | None = None) -> dict:
         """Local personalization of one layer (eq. 13), through this client's own earlier layers.
 
         The proximal problem is solved in whichever form costs fewer flops
@@ -704,14 +720,44 @@ class Client:
         client anyway); what was chosen (eps, criterion, primal or dual form)
         stays in :attr:`personal_choices`, written with the client's model
         (:meth:`save_personalized`).
+
+        ``keep_in`` (a checkpointed run): the folder where this client keeps
+        the layer, with the run's ``tag``, for :meth:`restore_personalized`
+        (:func:`fedlayer.checkpoint.save_personal_layer`); written here, on
+        the client's side, so that the weights never reach the server.
         """
         with self._resident():
             W, result = self._personalize(position, eps, batch_size)
-            self._install_personal(self.model.trainable[position], np.ascontiguousarray(W, dtype=self.model.dtype))
+            W = np.ascontiguousarray(W, dtype=self.model.dtype)
+            choice = {key: result[key] for key in ("eps", "method", "form") if key in result}
+            kept = None if keep_in is None else save_personal_layer(keep_in, self.client_id, position, W, tag,
+                                                                    choice if private else None)
+            self._install_personal(self.model.trainable[position], W, kept)
         if private:
-            self.personal_choices[position] = {key: result[key] for key in ("eps", "method", "form") if key in result}
+            self.personal_choices[position] = choice
             return {"compute_s": result["compute_s"]}
         return result
+
+    def restore_personalized(self, positions: list[int], folder: str, tag: str) -> dict:
+        """Install the layers at ``positions`` this client personalized before a checkpoint, from ``folder``.
+
+        Each was written by :meth:`personalize` with ``keep_in=folder`` in a
+        run of the same settings (``tag``); layers it did not personalize
+        (it dropped out of that round) keep the group's weights.
+
+        Raises
+        ------
+        ValueError
+            If a layer's file is missing, damaged, or of another run.
+        """
+        with self._resident():
+            for position in positions:
+                W, choice = load_personal_layer(folder, self.client_id, position, tag)
+                if choice is not None:
+                    self.personal_choices[position] = choice
+                self._install_personal(self.model.trainable[position], np.asarray(W, dtype=self.model.dtype),
+                                       personal_layer_path(folder, self.client_id, position))
+        return {}
 
     def _personalize(self, position, eps, batch_size):
         """(W, result record) of :meth:`personalize`, timed; the weights are not installed yet."""

@@ -46,6 +46,7 @@ class ClientMethod(enum.StrEnum):
     EVALUATE = "evaluate"
     FINAL_WEIGHTS = "final_weights"
     SAVE_PERSONALIZED = "save_personalized"
+    RESTORE_PERSONALIZED = "restore_personalized"
     SECURE_KEYS = "secure_keys"
     SECURE_NEIGHBOURS = "secure_neighbours"
     SECURE_RECEIVE = "secure_receive"
@@ -74,7 +75,10 @@ class ClientProtocol(Protocol):
 
     def set_weights(self, position: int, weights: Any) -> dict: ...
 
-    def personalize(self, position: int, eps: float | str, batch_size: int, private: bool = False) -> dict: ...
+    def personalize(self, position: int, eps: float | str, batch_size: int, private: bool = False,
+                    keep_in: str | None = None, tag: str | None = None) -> dict: ...
+
+    def restore_personalized(self, positions: list[int], folder: str, tag: str) -> dict: ...
 
     def evaluate(self, batch_size: int = 4096, code_layer: int | None = None) -> dict: ...
 
@@ -170,10 +174,12 @@ class PersonalizeRequest:
     eps: float | str
     batch_size: int
     private: bool = False
+    keep_in: str | None = None  # the folder where the client keeps the layer (a checkpointed run)
+    tag: str | None = None      # the run's settings' digest, kept with the layer
 
     def kwargs(self) -> dict:
         return {"position": self.position, "eps": self.eps, "batch_size": self.batch_size,
-                **_given(private=self.private)}
+                **_given(private=self.private, keep_in=self.keep_in, tag=self.tag)}
 
 
 @dataclass(frozen=True)

@@ -201,6 +201,10 @@ class RunConfig:
                 **({"gamma_output": self.gamma_output} if self.gamma_output is not None else {}),
                 "width": self.width, "padding": self.padding, "conv_targets": self.conv_targets, **self.split()}
 
+    def personalization_fingerprint(self) -> dict:
+        """The settings besides :meth:`fingerprint` that determine the personalized layers (eq. 13)."""
+        return {"algorithm": self.algorithm, "eps": self.eps, "eps_criterion": self.eps_criterion, "dtype": self.dtype}
+
 
 def client_cores(n_clients: int, seed: int, cores: list[int] | None = None, available: int | None = None) -> list[int]:
     """Cores per client: the given list cycled, or random 1..available per seed (the paper's 1-4)."""

@@ -522,11 +522,21 @@ def personalize(run: ProtocolRun, state: ServerState) -> None:
     A client whose local step raises keeps its group's layer (recorded in
     the round's ``dropped``) instead of ending the run. Secure runs: the
     server learns each client's busy time only, not what it chose.
+
+    With a checkpoint, each client keeps every layer it personalizes in the
+    checkpoint's personal folder, and the server's checkpoint counts the
+    rounds done: a run resumed from it has its clients read their layers
+    back and personalizes the rest.
     """
-    for position in range(run.n_layers):
+    checkpoint = run.checkpoint
+    keep = {} if checkpoint is None else {"keep_in": str(checkpoint.personal_folder), "tag": checkpoint.tag}
+    if state.personalized:
+        _restore_personalized(run, state)
+    for position in range(state.personalized, run.n_layers):
         log = RoundLog("personalization", position, run.clock)
         args = {cid: PersonalizeRequest(position, run.options.eps, run.max_batch[cid],
-                                        private=run.secure is not None).kwargs() for cid in run.transport.client_ids}
+                                        private=run.secure is not None, **keep).kwargs()
+                for cid in run.transport.client_ids}
         # A sum of nothing: the transport's per-client receipts and dropouts.
         outcome = run.transport.sum(ClientMethod.PERSONALIZE, args, keys=(), on_client=run.client_counter())
         log.dropped.update({cid: str(why) for cid, why in outcome.dropped.items()})
@@ -537,7 +547,21 @@ def personalize(run: ProtocolRun, state: ServerState) -> None:
             if reply.choice():
                 log.chosen[cid] = reply.choice()
         state.rounds.append(log.record(run.timed_accuracy(log, run.evaluated(run.n_layers + position + 1))))
+        state.personalized = position + 1
+        if checkpoint is not None:
+            checkpoint.save(state)
         run.report(state, f"layer {position + 1}/{run.n_layers} personalized")
+
+
+def _restore_personalized(run, state):
+    """Each client reads back the layers it personalized before the checkpoint (those of the rounds it was in)."""
+    rounds = [r for r in state.rounds if r["stage"] == "personalization"][:state.personalized]
+    folder, tag = str(run.checkpoint.personal_folder), run.checkpoint.tag
+    args = {cid: {"positions": [r["layer"] for r in rounds if str(cid) in r["clients"]], "folder": folder, "tag": tag}
+            for cid in run.transport.client_ids}
+    run.status(f"clients reading back their {state.personalized} personalized layer(s)")
+    for _ in run.transport.call(ClientMethod.RESTORE_PERSONALIZED, args):
+        pass  # nothing comes back: the layers stay on the clients' side
 
 
 # -- the whole protocol ---------------------------------------------------------------------------------
@@ -566,10 +590,13 @@ def run_protocol(transport: Transport, n_layers: int, variant: Variant, options:
     progress : callable(str) or None
         Called with a short status after every round.
     checkpoint : fedlayer.checkpoint.Checkpointing or None
-        Where the server's state is written (atomically) after every trained layer.
+        Where the server's state is written (atomically) after every trained
+        and every personalized layer.
     resume : ServerState or None
         A checkpoint's state (:meth:`ServerState.from_checkpoint`): finished
-        layers are sent to the clients again instead of being trained.
+        layers are sent to the clients again instead of being trained, and
+        the clients read back the layers they personalized (from
+        ``checkpoint``'s personal folder) instead of personalizing them.
 
     Returns
     -------
@@ -578,6 +605,10 @@ def run_protocol(transport: Transport, n_layers: int, variant: Variant, options:
     "secure" (the key setup's record) in secure runs.
     """
     options = ServerOptions() if options is None else options
+    if resume is not None and resume.personalized and checkpoint is None:
+        raise ValueError(f"the resumed state has {resume.personalized} personalization round(s) done, whose layers "
+                         "the clients keep beside its checkpoint: pass that checkpoint (or the state "
+                         "without_personalization())")
     first_batch, max_batch = options.batch.sizes(transport.client_ids)
     run = ProtocolRun(transport, n_layers, variant, options, first_batch, max_batch,
                       ModelLayers() if layers is None else layers, None if secure is None else SecureSums(secure),

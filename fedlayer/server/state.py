@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Mapping
@@ -37,6 +38,9 @@ class ServerState:
         The round records so far (:class:`fedlayer.timing.RoundLog`).
     layers_done : int
         Federated rounds finished.
+    personalized : int
+        Personalization rounds finished (each client keeps its personalized
+        layers on its side, :func:`fedlayer.checkpoint.save_personal_layer`).
     """
 
     group_of: dict[int, int]
@@ -45,6 +49,7 @@ class ServerState:
     group_weights: dict[int, list[np.ndarray]] = field(default_factory=dict)
     rounds: list[dict] = field(default_factory=list)
     layers_done: int = 0
+    personalized: int = 0
 
     @property
     def n_groups(self) -> int:
@@ -59,7 +64,8 @@ class ServerState:
     def fields(self) -> dict[str, Any]:
         """The state as the keyword arguments of :func:`fedlayer.checkpoint.save_checkpoint`."""
         return {"layers_done": self.layers_done, "group_of": self.group_of, "group_weights": self.group_weights,
-                "batch": self.batch, "first_durations": self.first_durations, "rounds": self.rounds}
+                "batch": self.batch, "first_durations": self.first_durations, "rounds": self.rounds,
+                "personalized": self.personalized}
 
     @classmethod
     def from_checkpoint(cls, saved: Mapping[str, Any], weights_dtype: npt.DTypeLike | None = None) -> ServerState:
@@ -69,4 +75,10 @@ class ServerState:
                    for k, layers in saved["group_weights"].items()}
         return cls(group_of=dict(saved["group_of"]), batch=dict(saved["batch"]),
                    first_durations=None if saved["first_durations"] is None else dict(saved["first_durations"]),
-                   group_weights=weights, rounds=list(saved["rounds"]), layers_done=int(saved["layers_done"]))
+                   group_weights=weights, rounds=list(saved["rounds"]), layers_done=int(saved["layers_done"]),
+                   personalized=int(saved.get("personalized", 0)))
+
+    def without_personalization(self) -> ServerState:
+        """This state before its personalization rounds: what a run that does not personalize resumes from."""
+        rounds = [r for r in self.rounds if r.get("stage") != "personalization"]
+        return dataclasses.replace(self, rounds=rounds, personalized=0)

@@ -11,6 +11,7 @@ import pytest
 from fedlayer.checkpoint import Checkpointing, load_checkpoint
 from fedlayer.models import Model
 from fedlayer.run import RunConfig, run
+from fedlayer.server import ServerState
 
 ARGS = ["--algorithm", "fedacnnl-wa", "--dataset", "synthetic", "--model", "dnn", "--clients", "100", "--seed", "2"]
 
@@ -199,3 +200,104 @@ def test_an_adaptive_run_checkpoints_eq7s_reference_and_next_batch_sizes(tmp_pat
     assert {int(c): v for c, v in state["first_durations"].items()} == pytest.approx(arrivals[0], rel=1e-12)
     assert {int(c): v for c, v in state["batch"].items()} == adaptive_batch_sizes(arrivals[2], arrivals[0], first, cap)
     assert state["batch"] != {str(c): b for c, b in first.items()}
+
+
+class _Killed(Exception):
+    """Stands for the end of a process killed after a given round."""
+
+
+def _killed_after(what):
+    def progress(message):
+        if message.startswith(what):
+            raise _Killed(message)
+    return progress
+
+
+PERSONAL = dict(algorithm="pfedacnnl-wc", dataset="synthetic", model="dnn", clients=20, seed=3, eval_every=1)
+
+
+def personalized_anew(checkpoint, output, **settings):
+    """The run that personalizes every layer of ``checkpoint``'s federated stage (a copy without its
+    personalization rounds): the uninterrupted run's models, bit for bit."""
+    config = RunConfig(output=str(output), resume=True, **settings)
+    state = ServerState.from_checkpoint(load_checkpoint(checkpoint, config.fingerprint()))
+    Checkpointing(config.checkpoint_path(), config.fingerprint(), config.personalization_fingerprint()).save(
+        state.without_personalization())
+    return run(config)
+
+
+def test_a_run_killed_while_personalizing_resumes_with_its_clients_layers(tmp_path):
+    out = tmp_path / "killed"
+    with pytest.raises(_Killed):
+        run(RunConfig(output=str(out), **PERSONAL), progress=_killed_after("layer 2/3 personalized"))
+    direct = personalized_anew(out / "checkpoint.npz", tmp_path / "direct", **PERSONAL)
+    saved = load_checkpoint(out / "checkpoint.npz", RunConfig(**PERSONAL).fingerprint())
+    assert (saved["layers_done"], saved["personalized"]) == (3, 2)
+    kept = sorted(p.name for p in (out / "checkpoint.personal").iterdir())
+    assert kept == sorted(f"client{c}_layer{p}.npz" for c in range(20) for p in range(2))
+    before = [r for r in saved["rounds"] if r["stage"] == "personalization"]
+
+    resumed = run(RunConfig(output=str(out), resume=True, **PERSONAL))
+    assert (resumed["resumed_from_layer"], resumed["resumed_personalized"]) == (3, 2)
+    rounds = list(resumed["rounds"].values())
+    assert len(rounds) == len(direct["rounds"])
+    # the two layers personalized before the kill are read back, not personalized again: their records stand
+    assert [r for r in rounds if r["stage"] == "personalization"][:2] == before
+    for path in sorted((tmp_path / "direct" / "personalized").glob("client*.npz")):
+        ours, _ = Model.load(out / "personalized" / path.name)
+        theirs, _ = Model.load(path)
+        for index in ours.trainable:
+            np.testing.assert_array_equal(ours.layers[index].weights, theirs.layers[index].weights)
+    assert resumed["accuracy"] == direct["accuracy"]
+
+
+def test_personalized_layers_of_other_settings_are_personalized_anew(tmp_path):
+    out = tmp_path / "killed"
+    with pytest.raises(_Killed):
+        run(RunConfig(output=str(out), **PERSONAL), progress=_killed_after("layer 1/3 personalized"))
+    other = {**PERSONAL, "eps": 100.0}
+    direct = run(RunConfig(output=str(tmp_path / "direct"), **other))
+    resumed = run(RunConfig(output=str(out), resume=True, **other))
+    assert resumed["resumed_from_layer"] == 3 and "resumed_personalized" not in resumed
+    assert len(resumed["rounds"]) == len(direct["rounds"])
+    assert abs(resumed["accuracy"] - direct["accuracy"]) < 1e-3
+    # and the run without personalization that resumes from it has its federated rounds only
+    fed = run(RunConfig(**{**PERSONAL, "algorithm": "fedacnnl"}, output=str(tmp_path / "fed"), resume=True,
+                        checkpoint=str(out / "checkpoint.npz")))
+    assert [r["stage"] for r in fed["rounds"].values()] == ["federated"] * 3
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt", "another client's"])
+def test_a_personalized_layer_that_cannot_be_read_back_is_refused_by_name(tmp_path, damage):
+    out = tmp_path / "killed"
+    with pytest.raises(_Killed):
+        run(RunConfig(output=str(out), **PERSONAL), progress=_killed_after("layer 2/3 personalized"))
+    layer = out / "checkpoint.personal" / "client7_layer1.npz"
+    if damage == "missing":
+        layer.unlink()
+        expected = r"client 7's personalized layer 2 is not at .*client7_layer1\.npz: each client writes"
+    elif damage == "corrupt":
+        data = bytearray(layer.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        layer.write_bytes(bytes(data))
+        expected = r"client7_layer1\.npz (is damaged|cannot be read)"
+    else:
+        layer.write_bytes((out / "checkpoint.personal" / "client8_layer1.npz").read_bytes())
+        expected = r"holds client 8's layer 2 of the run \w+, not client 7's layer 2"
+    with pytest.raises(ValueError, match=expected + ".*to start over"):
+        run(RunConfig(output=str(out), resume=True, **PERSONAL))
+
+
+def test_a_secure_run_resumed_while_personalizing_keeps_what_each_client_chose_to_itself(tmp_path):
+    secure = {**PERSONAL, "secure": True, "model": "lr"}
+    out = tmp_path / "killed"
+    with pytest.raises(_Killed):
+        run(RunConfig(output=str(out), **secure), progress=_killed_after("layer 1/1 personalized"))
+    resumed = run(RunConfig(output=str(out), resume=True, **secure))
+    assert resumed["resumed_personalized"] == 1
+    # the server's records hold busy times only; each client's model file has the form it chose, read back
+    assert all(set(c) == {"compute_s", "comm_s", "idle_s", "arrival_s"} | ({"parts"} & set(c))
+               for r in resumed["rounds"].values() if r["stage"] == "personalization" for c in r["clients"].values())
+    for path in sorted((out / "personalized").glob("client*.npz")):
+        _, metadata = Model.load(path)
+        assert metadata["personalization"]["0"]["form"] in ("primal", "dual")

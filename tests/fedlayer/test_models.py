@@ -671,6 +671,34 @@ def test_client_cache_equals_recompute(rng, tmp_path, cache_ram_bytes):
 
 
 @pytest.mark.parametrize("cache_ram_bytes", [0, 2**30])
+def test_kept_personalized_layers_are_read_back_by_a_new_client(rng, tmp_path, cache_ram_bytes):
+    """A checkpointed personalization: the kept files give a fresh client the same model (parked on them)."""
+    client = _small_cnn_client(np.random.default_rng(5), cache_ram_bytes, tmp_path / "cache")
+    n_layers = len(client.model.trainable)
+    for position in range(n_layers):
+        result = client.local_stats(position, batch_size=5)
+        client.set_weights(position, fastls.ridge_solve(result["G"], result["C"], 10.0,
+                                                        rhs_basis=client.bases[position]))
+    meta = [client.meta_weights[p] for p in range(n_layers)]
+    kept = tmp_path / "checkpoint.personal"
+    for position in range(n_layers - 1):  # the last layer stays the group's, as for a client that dropped out
+        client.personalize(position, 2500.0, batch_size=7, private=True, keep_in=str(kept), tag="run-a")
+    if cache_ram_bytes == 0:  # parked on the kept files, not on copies in the cache
+        assert sorted(client._parked.values()) == [kept / f"client3_layer{p}.npz" for p in range(n_layers - 1)]
+    fresh = _small_cnn_client(np.random.default_rng(5), cache_ram_bytes, tmp_path / "cache2")
+    for position in range(n_layers):
+        fresh.set_weights(position, meta[position])
+    fresh.restore_personalized(list(range(n_layers - 1)), str(kept), "run-a")
+    for ours, theirs in zip(fresh.final_weights()["weights"], client.final_weights()["weights"]):
+        np.testing.assert_array_equal(ours, theirs)
+    assert fresh.personal_choices == client.personal_choices and len(fresh.personal_choices) == n_layers - 1
+    assert fresh.evaluate() == client.evaluate()
+    with pytest.raises(ValueError, match="client3_layer0.npz holds client 3's layer 1 of the run run-a, not client "
+                                         "3's layer 1 of this run \\(run-b\\)"):
+        fresh.restore_personalized([0], str(kept), "run-b")
+
+
+@pytest.mark.parametrize("cache_ram_bytes", [0, 2**30])
 def test_each_round_starts_from_the_previous_layers_cache(rng, tmp_path, cache_ram_bytes):
     """Every training image passes each trained layer once per stage: layer l's round runs only layer l-1."""
     client = _small_cnn_client(rng, cache_ram_bytes, tmp_path, dtype=np.float32)

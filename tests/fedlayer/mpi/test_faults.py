@@ -17,7 +17,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from fedlayer.cli import main
+from fedlayer.cli import _summary, main
 
 # The module, not the function fedlayer exports under the same name.
 run_module = importlib.import_module("fedlayer.run")
@@ -368,17 +368,23 @@ def test_plot_names_a_missing_file_and_an_out_that_is_a_file(tmp_path, capsys):
     assert (tmp_path / "accuracy.png").exists()
 
 
-def test_ctrl_c_says_where_the_trained_layers_are_and_how_to_go_on(tmp_path, capsys, monkeypatch):
-    """A KeyboardInterrupt after the first layer: one line (no traceback), exit 130, a checkpoint to resume."""
+def _ctrl_c_after(monkeypatch, what):
+    """Make ``fedlayer run`` get a Ctrl-C when its progress first reports a message containing ``what``."""
     real_run = run_module.run
 
-    def interrupted_after_layer_1(config, transport=None, progress=None, dataset=None):
+    def interrupted(config, transport=None, progress=None, dataset=None):
         def progress_then_ctrl_c(message):
-            raise KeyboardInterrupt
+            if what in message:
+                raise KeyboardInterrupt
 
         return real_run(config, transport=transport, progress=progress_then_ctrl_c, dataset=dataset)
 
-    monkeypatch.setattr(run_module, "run", interrupted_after_layer_1)
+    monkeypatch.setattr(run_module, "run", interrupted)
+
+
+def test_ctrl_c_says_where_the_trained_layers_are_and_how_to_go_on(tmp_path, capsys, monkeypatch):
+    """A KeyboardInterrupt after the first layer: one line (no traceback), exit 130, a checkpoint to resume."""
+    _ctrl_c_after(monkeypatch, "")
     out = tmp_path / "run"
     status, err = fedlayer(["run", *SMALL, "--algorithm", "fedacnnl", "--output", str(out)], capsys)
     assert status == 130
@@ -491,3 +497,19 @@ def test_a_baseline_that_diverges_stops_saying_so(capsys):
     assert status == 1
     assert "fedlayer run: error: fedavg diverged in round" in err and "lower the step sizes" in err
     assert "Traceback" not in err
+
+
+def test_ctrl_c_while_personalizing_says_where_the_clients_layers_are(tmp_path, capsys, monkeypatch):
+    _ctrl_c_after(monkeypatch, "personalized")
+    out = tmp_path / "run"
+    status, err = fedlayer(["run", *SMALL, "--algorithm", "pfedacnnl-wc", "--output", str(out)], capsys)
+    assert status == 130
+    assert err == (f"fedlayer run: interrupted; the layers trained so far are in {out / 'checkpoint.npz'} (and the "
+                   f"layers personalized so far, each client's under {out / 'checkpoint.personal'}): run the same "
+                   f"command with --resume to go on\n")
+    monkeypatch.undo()
+    assert main(["run", *SMALL, "--algorithm", "pfedacnnl-wc", "--output", str(out), "--resume", "--quiet"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert (results["resumed_from_layer"], results["resumed_personalized"]) == (3, 1)
+    assert "(resumed from the checkpoint after layer 3 and 1 personalized layer(s), read back by their clients)" \
+        in _summary(results)

@@ -447,3 +447,33 @@ def test_the_watcher_sees_a_rank_that_has_begun_to_exit():
     assert _exiting(child.pid)
     child.wait()
     assert _exiting(child.pid)  # gone
+
+
+def test_ranks_read_back_the_layers_their_clients_personalized_before_a_kill(tmp_path):
+    """A personalized run killed after its first personalized layer resumes under mpiexec: the ranks'
+    clients read their kept layers back, and the models are those of an uninterrupted in-process run from the
+    same federated stage (to rounding: a rank's BLAS threads its products otherwise than one process's)."""
+    from fedlayer.models import Model
+    from fedlayer.run import RunConfig, run
+    from tests.fedlayer.test_checkpoint import personalized_anew
+
+    base = dict(algorithm="pfedacnnl-wc", dataset="synthetic", model="dnn", clients=12, seed=0)
+
+    def killed(message):
+        if message.startswith("layer 1/3 personalized"):
+            raise KeyboardInterrupt
+
+    out = tmp_path / "killed"
+    with pytest.raises(KeyboardInterrupt):
+        run(RunConfig(output=str(out), **base), progress=killed)
+    personalized_anew(out / "checkpoint.npz", tmp_path / "direct", **base)
+    proc = mpirun(["--algorithm", "pfedacnnl-wc", "--clients", "12", "--model", "dnn", "--seed", "0", "--quiet",
+                   "--output", str(out), "--resume"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert (results["resumed_from_layer"], results["resumed_personalized"]) == (3, 1)
+    for path in sorted((tmp_path / "direct" / "personalized").glob("client*.npz")):
+        ours, _ = Model.load(out / "personalized" / path.name)
+        theirs, _ = Model.load(path)
+        for index in ours.trainable:
+            np.testing.assert_allclose(ours.layers[index].weights, theirs.layers[index].weights, rtol=1e-9, atol=1e-13)
