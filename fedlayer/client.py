@@ -733,6 +733,10 @@ class Client:
             kept = None if keep_in is None else save_personal_layer(keep_in, self.client_id, position, W, tag,
                                                                     choice if private else None)
             self._install_personal(self.model.trainable[position], W, kept)
+        if position == len(self.model.trainable) - 1:
+            # The last layer's personalization was the training split's last pass: free its cache (at full width
+            # the hundred clients' cached inputs of the classifier take 23 GB) before the models are written.
+            self._drop("train")
         if private:
             self.personal_choices[position] = choice
             return {"compute_s": result["compute_s"]}

@@ -668,6 +668,10 @@ def test_client_cache_equals_recompute(rng, tmp_path, cache_ram_bytes):
         assert_close(personal, W, np.float64, G.shape[0])
         reference.layers[index].set_weights(personal)
         assert client.evaluate()["correct"] == reference.accuracy(client.data.x_test, client.data.y_test)[0]
+    # the last personalization was the training split's last pass: its cache is gone (only the test split's stays)
+    assert "train" not in client._activations
+    if cache_ram_bytes == 0:
+        assert not [p.name for p in tmp_path.iterdir() if "_train_" in p.name]
 
 
 @pytest.mark.parametrize("cache_ram_bytes", [0, 2**30])
