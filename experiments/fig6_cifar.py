@@ -132,9 +132,8 @@ def shared_checkpoint(algorithm, args):
     ``algorithm`` runs whole. Returns None or a dict: checkpoint, from,
     wall_s, peak_rss_bytes (None when not recorded), how the wall was taken.
     """
-    fingerprint = RunConfig(algorithm=algorithm, dataset="cifar10", model="dcnn", width=args.width,
-                            padding=args.padding, dtype="float32", seed=args.seed, cores=[2],
-                            conv_targets=args.conv_targets).fingerprint()
+    config = config_for(algorithm, args)
+    fingerprint = config.fingerprint()
     for source in filter(None, (algorithm, SHARED_STAGE.get(algorithm))):
         checkpoint = Path(args.work) / source / "checkpoint.npz"
         source_json = Path(args.runs) / f"{source}.json"
@@ -154,7 +153,6 @@ def shared_checkpoint(algorithm, args):
             measured = json.loads(source_json.read_text())["fig6"]
             shared = {"checkpoint": str(checkpoint), "from": source, "wall_s": measured["wall_s"],
                       "peak_rss_bytes": measured["peak_rss_bytes"], "wall": f"{source}'s run"}
-            config = config_for(algorithm, args)
             tag = Checkpointing(checkpoint, fingerprint, config.personalization_fingerprint()).tag
             if state["personalized"] and state["personal_tag"] == tag:
                 # An interrupted run of this algorithm personalized some layers there, and this one goes on from

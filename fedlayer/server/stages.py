@@ -531,7 +531,7 @@ def personalize(run: ProtocolRun, state: ServerState) -> None:
     checkpoint = run.checkpoint
     keep = {} if checkpoint is None else {"keep_in": str(checkpoint.personal_folder), "tag": checkpoint.tag}
     if state.personalized:
-        _restore_personalized(run, state)
+        _restore_personalized(run, state, **keep)
     for position in range(state.personalized, run.n_layers):
         log = RoundLog("personalization", position, run.clock)
         args = {cid: PersonalizeRequest(position, run.options.eps, run.max_batch[cid],
@@ -553,11 +553,10 @@ def personalize(run: ProtocolRun, state: ServerState) -> None:
         run.report(state, f"layer {position + 1}/{run.n_layers} personalized")
 
 
-def _restore_personalized(run, state):
+def _restore_personalized(run, state, keep_in, tag):
     """Each client reads back the layers it personalized before the checkpoint (those of the rounds it was in)."""
     rounds = [r for r in state.rounds if r["stage"] == "personalization"][:state.personalized]
-    folder, tag = str(run.checkpoint.personal_folder), run.checkpoint.tag
-    args = {cid: {"positions": [r["layer"] for r in rounds if str(cid) in r["clients"]], "folder": folder, "tag": tag}
+    args = {cid: {"positions": [r["layer"] for r in rounds if str(cid) in r["clients"]], "folder": keep_in, "tag": tag}
             for cid in run.transport.client_ids}
     run.status(f"clients reading back their {state.personalized} personalized layer(s)")
     for _ in run.transport.call(ClientMethod.RESTORE_PERSONALIZED, args):

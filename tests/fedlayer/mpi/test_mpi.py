@@ -455,17 +455,12 @@ def test_ranks_read_back_the_layers_their_clients_personalized_before_a_kill(tmp
     same federated stage (to rounding: a rank's BLAS threads its products otherwise than one process's)."""
     from fedlayer.models import Model
     from fedlayer.run import RunConfig, run
-    from tests.fedlayer.test_checkpoint import personalized_anew
+    from tests.fedlayer.test_checkpoint import _killed_after, _Killed, personalized_anew
 
     base = dict(algorithm="pfedacnnl-wc", dataset="synthetic", model="dnn", clients=12, seed=0)
-
-    def killed(message):
-        if message.startswith("layer 1/3 personalized"):
-            raise KeyboardInterrupt
-
     out = tmp_path / "killed"
-    with pytest.raises(KeyboardInterrupt):
-        run(RunConfig(output=str(out), **base), progress=killed)
+    with pytest.raises(_Killed):
+        run(RunConfig(output=str(out), **base), progress=_killed_after("layer 1/3 personalized"))
     personalized_anew(out / "checkpoint.npz", tmp_path / "direct", **base)
     proc = mpirun(["--algorithm", "pfedacnnl-wc", "--clients", "12", "--model", "dnn", "--seed", "0", "--quiet",
                    "--output", str(out), "--resume"])
