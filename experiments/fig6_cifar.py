@@ -97,6 +97,11 @@ SHARED_STAGE = {"pfedacnnl-wc": "fedacnnl"}  # run -> the run whose federated st
 SAME_WEIGHTS = {"fedacnnl-wa": "fedacnnl"}   # run -> the run whose weights (and accuracy per round) it has
 
 
+def _eps_output(text):
+    """--eps-output's value: "auto", "inf" or a number (RunConfig checks its range)."""
+    return text if text in ("auto", "inf") else float(text)
+
+
 def config_for(algorithm, args, output=None, shared=None):
     """The run's configuration; ``shared`` (from :func:`shared_checkpoint`) makes it resume from that stage."""
     extra = {}
@@ -108,7 +113,7 @@ def config_for(algorithm, args, output=None, shared=None):
     return RunConfig(algorithm=algorithm, dataset="cifar10", model="dcnn", width=args.width, padding=args.padding,
                      dtype="float32", seed=args.seed, cores=[2], output=output, conv_targets=args.conv_targets,
                      server_solve=args.server_solve, server_memory=args.server_memory,
-                     round_accuracy=args.round_accuracy, **extra)
+                     round_accuracy=args.round_accuracy, eps_output=args.eps_output, **extra)
 
 
 def _readout_note(runs):
@@ -426,8 +431,10 @@ def report(args):
         f"{args.conv_targets}{'' if args.padding == 'valid' else ' --padding ' + args.padding}"
         f"{'' if args.server_memory is None else f' --server-memory {args.server_memory:g}'}"
         f"{'' if args.server_solve == 'auto' else ' --server-solve ' + args.server_solve}"
-        f"{'' if args.round_accuracy == 'network' else ' --round-accuracy ' + args.round_accuracy}` on "
-        f"{any_run['machine']}; 100 clients, Dirichlet beta = 0.1, gamma = 100, eps = 2500, "
+        f"{'' if args.round_accuracy == 'network' else ' --round-accuracy ' + args.round_accuracy}"
+        f"{'' if args.eps_output is None else ' --eps-output ' + str(args.eps_output)}` on "
+        f"{any_run['machine']}; 100 clients, Dirichlet beta = 0.1, gamma = 100, eps = 2500"
+        f"{'' if args.eps_output is None else ' (the output layer: ' + str(args.eps_output) + ')'}, "
         f"K = 10, every client 2 cores, float32 data with float64 statistics, convolutions' label codes "
         f"{'per output position' if args.conv_targets == 'position' else 'per image'}. "
         f"DCNN width x{args.width}, '{args.padding}' padding: least-squares shapes "
@@ -626,6 +633,9 @@ def main():
     parser.add_argument("--round-accuracy", choices=ROUND_ACCURACIES, default="network",
                         help="what rounds 1-4 score (fedlayer run --round-accuracy): the network, or the layer's "
                              "label-code readout, which needs that layer's forward pass of the test split alone")
+    parser.add_argument("--eps-output", type=_eps_output, default=None,
+                        help="the classifier's personalization eps where it differs from the paper's 2500: a number, "
+                             "auto, or inf (each client keeps its group's classifier)")
     parser.add_argument("--name", default="fig6", help="the report's file names: NAME.md, NAME_accuracy.png")
     parser.add_argument("--padding-json", default=str(REPOSITORY / "docs" / "results" / "fig6_padding.json"),
                         help="experiments/fig6_padding.py's rows, quoted by the report")
@@ -655,7 +665,8 @@ def main():
                      str(args.seed), "--runs", args.runs, "--work", args.work, "--out", args.out,
                      "--conv-targets", args.conv_targets, "--padding", args.padding, "--server-solve",
                      args.server_solve, "--round-accuracy", args.round_accuracy,
-                     *(["--server-memory", str(args.server_memory)] if args.server_memory else [])]
+                     *(["--server-memory", str(args.server_memory)] if args.server_memory else []),
+                     *(["--eps-output", str(args.eps_output)] if args.eps_output is not None else [])]
             subprocess.run(child, check=True)
     return report(args)
 

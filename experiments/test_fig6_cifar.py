@@ -48,7 +48,7 @@ def test_same_padding_runs_its_classifier_through_the_dual_at_a_server_memory_it
     the dual, the convolutions in the primal, and the weights are the primal run's."""
     dataset = _fake_cifar(np.random.default_rng(0))
     args = SimpleNamespace(width=1 / 64, padding="same", seed=0, conv_targets="position", server_solve="auto",
-                           server_memory=2.0 ** -9, round_accuracy="codes")
+                           server_memory=2.0 ** -9, round_accuracy="codes", eps_output=None)
     config = dataclasses.replace(config_for("fedacnnl", args, output=str(tmp_path / "dual")), clients=3)
     assert (config.server_solve, config.server_memory, config.padding) == ("auto", 2.0 ** -9, "same")
     dual = run(config, dataset=dataset)

@@ -258,7 +258,8 @@ def _model_metadata(config: RunConfig, clients, group):
     """What a saved model records besides its weights: the run's settings, and the split and clients to score it on."""
     return {"algorithm": config.algorithm, "gamma": config.gamma,
             **({"gamma_output": config.gamma_output} if config.gamma_output is not None else {}),
-            "eps": config.eps, "group": group, "clients": clients, "split": config.split()}
+            "eps": config.eps, **({"eps_output": config.eps_output} if config.eps_output is not None else {}),
+            "group": group, "clients": clients, "split": config.split()}
 
 
 def _model_writer(model, weights, config: RunConfig, clients, group):
@@ -282,7 +283,7 @@ class BaselineAlgorithm(Algorithm):
 
     def ignored_options(self, config: RunConfig) -> list[str]:
         """Notes on the options ``config`` sets away from their defaults that this baseline never reads."""
-        note = _ignored(config, self.name, ("gamma", "gamma_output", "eps", "eps_criterion", "groups",
+        note = _ignored(config, self.name, ("gamma", "gamma_output", "eps", "eps_output", "eps_criterion", "groups",
                                             "gamma_scope", "min_group_size", "server_solve", "server_memory",
                                             "round_accuracy"),
                         "the analytic methods (fedacnnl, pfedacnnl and their variants)")

@@ -715,6 +715,7 @@ class Client:
         fit in ``scratch_bytes`` (one thin SVD of the rows, which then also
         gives the solution), else by GCV from the statistics (one
         eigendecomposition of G). The result records ``eps`` and the criterion.
+        With ``eps="inf"`` (eq. 13's limit) the client keeps its group's layer.
 
         ``private``: return the busy time only (what the server learns of a
         client anyway); what was chosen (eps, criterion, primal or dual form)
@@ -774,6 +775,9 @@ class Client:
         costs = personalization_costs(layer, input_shape, self.data.n_train, basis)
         M = self.meta_weights[position].astype(self.stat_dtype, copy=False)
         start = time.perf_counter()
+        if eps == "inf":  # eq. (13)'s limit: the group's layer, with no pass over the data
+            return np.array(M), {"compute_s": time.perf_counter() - start, "form": "kept",
+                                 "parts": {"forward_s": 0.0, "stats_s": 0.0, "solve_s": 0.0}}
         if eps == "auto":
             return self._personalize_auto(position, batch_size, M, n_rows, n_in, start)
         with fastls.limit_cores(self.cores):

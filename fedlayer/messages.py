@@ -202,7 +202,7 @@ class PersonalizeReply:
         if self.eps is not None:
             return {"eps": float(self.eps), "criterion": self.method}
         if self.form is not None:
-            return {"form": self.form}  # the proximal solve's primal or dual form
+            return {"form": self.form}  # the proximal solve's primal or dual form, or "kept" (eps = "inf")
         return {}
 
 

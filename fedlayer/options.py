@@ -109,6 +109,10 @@ class ServerOptions:
     eps : float or "auto", default=2500.0
         Proximal weight of the personalization (eq. 13); ``"auto"``: each
         client chooses its own per layer.
+    eps_output : float, "auto", "inf" or None, default=None
+        The output layer's eps where it differs from the hidden layers'
+        (None: ``eps``); ``"inf"``: eq. (13)'s limit, every client keeps its
+        group's output layer.
     groups : int, default=10
         K of K-means when the variant clusters.
     seed : int, default=0
@@ -151,6 +155,7 @@ class ServerOptions:
     gamma_output: float | str | None = None
     gamma_scope: str = "all"
     eps: float | str = 2500.0
+    eps_output: float | str | None = None
     groups: int = 10
     seed: int = 0
     batch: BatchPolicy = field(default_factory=BatchPolicy)
@@ -190,6 +195,12 @@ class ServerOptions:
         if self.gamma_output is not None and position == n_layers - 1:
             return self.gamma_output
         return self.gamma
+
+    def eps_of(self, position: int, n_layers: int) -> float | str:
+        """The eps of layer ``position`` of ``n_layers``: ``eps_output`` for the last one where set."""
+        if self.eps_output is not None and position == n_layers - 1:
+            return self.eps_output
+        return self.eps
 
     @classmethod
     def from_config(cls, config: RunConfig, weights_dtype: npt.DTypeLike | None = None) -> ServerOptions:

@@ -52,6 +52,7 @@ CONFIG_CONSTRAINTS = {
     "gamma": _POSITIVE + [Options("auto")],
     "gamma_output": [None] + _POSITIVE + [Options("auto")],
     "eps": _POSITIVE + [Options("auto")],
+    "eps_output": [None] + _POSITIVE + [Options("auto", "inf")],
     "eps_criterion": [Options(*EPS_CRITERIA)],
     "gamma_scope": [Options(*GAMMA_SCOPES)],
     "groups": _POSITIVE_INT,
@@ -107,6 +108,7 @@ class RunConfig:
     gamma: float | str = 100.0   # ridge regularization, eqs. (5), (11); "auto": GCV per layer on the server
     gamma_output: float | str | None = None  # the output layer's gamma where it differs (e.g. "auto"); None: gamma
     eps: float | str = 2500.0    # proximal weight, eq. (13); "auto": leave-one-out / GCV per client and layer
+    eps_output: float | str | None = None  # the output layer's eps where it differs; "inf": the group's kept
     eps_criterion: str = "loo"   # what eps="auto" minimizes: squared error ("loo") or class errors ("loo_class")
     gamma_scope: str = "all"     # gamma="auto" with groups: one gamma from all groups' sums, or one per "group"
     groups: int = 10             # K of K-means
@@ -203,7 +205,10 @@ class RunConfig:
 
     def personalization_fingerprint(self) -> dict:
         """The settings besides :meth:`fingerprint` that determine the personalized layers (eq. 13)."""
-        return {"algorithm": self.algorithm, "eps": self.eps, "eps_criterion": self.eps_criterion, "dtype": self.dtype}
+        return {"algorithm": self.algorithm, "eps": self.eps,
+                # Only when set, so that personalization checkpoints written before the key existed still resume.
+                **({"eps_output": self.eps_output} if self.eps_output is not None else {}),
+                "eps_criterion": self.eps_criterion, "dtype": self.dtype}
 
 
 def client_cores(n_clients: int, seed: int, cores: list[int] | None = None, available: int | None = None) -> list[int]:

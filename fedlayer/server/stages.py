@@ -534,7 +534,7 @@ def personalize(run: ProtocolRun, state: ServerState) -> None:
         _restore_personalized(run, state, **keep)
     for position in range(state.personalized, run.n_layers):
         log = RoundLog("personalization", position, run.clock)
-        args = {cid: PersonalizeRequest(position, run.options.eps, run.max_batch[cid],
+        args = {cid: PersonalizeRequest(position, run.options.eps_of(position, run.n_layers), run.max_batch[cid],
                                         private=run.secure is not None, **keep).kwargs()
                 for cid in run.transport.client_ids}
         # A sum of nothing: the transport's per-client receipts and dropouts.

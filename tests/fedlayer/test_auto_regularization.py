@@ -156,6 +156,44 @@ def test_gamma_output_flag_selects_on_the_last_layer_only(tmp_path, capsys):
         assert json.loads(str(saved["metadata"]))["gamma_output"] == "auto"
 
 
+@pytest.mark.parametrize("eps_output", ["inf", 40.0, "auto"])
+def test_eps_output_personalizes_only_the_output_layer_differently(rng, eps_output):
+    """eps_output: the hidden layers are personalized as with eps alone; "inf" keeps the group's output layer."""
+    x, y = make_data(rng, n=150, d=7)
+    config = dnn_config(7)
+    data = [client_data(x, y, part) for part in np.array_split(rng.permutation(150), 3)]
+    variant = Variant(adaptive=False, personalize=True)
+    plain, plain_clients = run_clients(data, variant, config, eps=2500.0)
+    mixed, mixed_clients = run_clients(data, variant, config, eps=2500.0, eps_output=eps_output)
+    group_output = mixed["group_weights"][0][-1]
+    for plain_client, client in zip(plain_clients, mixed_clients):
+        *hidden, output = client.final_weights()["weights"]
+        *plain_hidden, plain_output = plain_client.final_weights()["weights"]
+        for W, W_plain in zip(hidden, plain_hidden):
+            np.testing.assert_array_equal(W, W_plain)
+        if eps_output == "inf":
+            np.testing.assert_array_equal(output, group_output)
+        else:
+            assert not np.allclose(output, plain_output)
+    last = [r for r in mixed["rounds"] if r["stage"] == "personalization"][-1]
+    if eps_output == "inf":
+        assert all(client["form"] == "kept" for client in last["clients"].values())
+
+
+def test_eps_output_flag_is_recorded_and_checked(tmp_path):
+    out = tmp_path / "kept"
+    assert main(["run", "--algorithm", "pfedacnnl-wc", "--dataset", "synthetic", "--model", "dnn", "--clients", "12",
+                 "--eps-output", "inf", "--quiet", "--output", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["eps_output"] == "inf" and results["config"]["eps"] == 2500.0
+    personalized = [r for r in results["rounds"].values() if r["stage"] == "personalization"]
+    assert personalized[-1]["accuracy"] == personalized[-2]["accuracy"]  # every client kept the group's layer
+    with np.load(out / "personalized" / "client0.npz") as saved:
+        assert json.loads(str(saved["metadata"]))["eps_output"] == "inf"
+    with pytest.raises(SystemExit):
+        main(["run", "--algorithm", "pfedacnnl-wc", "--eps-output", "-3", "--quiet", "--output", str(tmp_path / "x")])
+
+
 def test_eps_by_the_class_decision(rng):
     """eps_criterion="loo_class": the eps with the fewest held-out misclassified rows, from the same factorization."""
     x, y = make_data(rng, n=60, d=20)
