@@ -159,10 +159,13 @@ def main(argv=None):
     path_s = sum(r["path_s"] for r in done.values())
     d = next(iter(done.values()))["rows"][1]
     command = " ".join(argv if argv is not None else sys.argv[1:])
-    lines = [f"Command: `python experiments/fig6_personal_eps.py {command}` ({len(done)} clients, {table['total']} "
+    lines = ["# Fig. 6: a personalized run's classifier against eps", "",
+             f"Command: `python experiments/fig6_personal_eps.py {command}` ({len(done)} clients, {table['total']} "
              f"test images, classifier d = {d}; forward passes {forward_s:.0f} s, paths {path_s:.0f} s). The "
              f"solution at the run's eps matches each client's saved classifier within {differences.max():.1e} "
-             f"(relative, largest over the clients).", "",
+             f"(relative, largest over the clients). Each test image is scored by its own client's model, "
+             f"convolutions as the run personalized them, classifier re-personalized at each eps around the "
+             f"run's global classifier. Discussion: [fig6_notes.md](fig6_notes.md).", "",
              "| eps | test accuracy (%) |", "|---|---|"]
     for eps, value in zip(EPSES, accuracy):
         mark = " (the run's)" if eps == RUN_EPS else ""
