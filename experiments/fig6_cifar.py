@@ -70,7 +70,8 @@ from fedlayer.checkpoint import Checkpointing, load_checkpoint
 from fedlayer.client import personalization_costs, target_bases
 from fedlayer.models import DCNN_PADDINGS, Conv2d, build_model
 from fedlayer.options import ROUND_ACCURACIES, SERVER_SOLVES
-from fedlayer.run import RunConfig, load_dataset, run
+from fedlayer.cli import _flag_type  # fedlayer run's parsing of a RunConfig flag
+from fedlayer.run import CONFIG_CONSTRAINTS, RunConfig, load_dataset, run
 from fedlayer.server import ServerState
 from fedlayer.timing import time_summary
 
@@ -95,11 +96,6 @@ def gemm_rate(n=4096, repeats=3, dtype=np.float32):
 N_LAYERS = 5  # trainable layers of the DCNN
 SHARED_STAGE = {"pfedacnnl-wc": "fedacnnl"}  # run -> the run whose federated stage it resumes from
 SAME_WEIGHTS = {"fedacnnl-wa": "fedacnnl"}   # run -> the run whose weights (and accuracy per round) it has
-
-
-def _eps_output(text):
-    """--eps-output's value: "auto", "inf" or a number (RunConfig checks its range)."""
-    return text if text in ("auto", "inf") else float(text)
 
 
 def config_for(algorithm, args, output=None, shared=None):
@@ -633,7 +629,7 @@ def main():
     parser.add_argument("--round-accuracy", choices=ROUND_ACCURACIES, default="network",
                         help="what rounds 1-4 score (fedlayer run --round-accuracy): the network, or the layer's "
                              "label-code readout, which needs that layer's forward pass of the test split alone")
-    parser.add_argument("--eps-output", type=_eps_output, default=None,
+    parser.add_argument("--eps-output", type=_flag_type(CONFIG_CONSTRAINTS["eps_output"], "eps_output"), default=None,
                         help="the classifier's personalization eps where it differs from the paper's 2500: a number, "
                              "auto, or inf (each client keeps its group's classifier)")
     parser.add_argument("--name", default="fig6", help="the report's file names: NAME.md, NAME_accuracy.png")

@@ -29,22 +29,14 @@ import numpy as np
 
 import fastls
 from dev_layout import emit_report, use_shared_data
+from fig6_classifier_gamma import classifier_rows
 from fedlayer.models import Model
 from fedlayer.run import RunConfig, load_dataset
 
-RUN_EPS = 2500.0
-EPSES = [10.0, 100.0, 1e3, RUN_EPS, 1e4, 4e4, 1e5, 3e5, 1e6, 1e7, 1e8]
-FORWARD_BATCH = 128  # images per forward step: bounds the full-width activations
+EPSES = [10.0, 100.0, 1e3, 2500.0, 1e4, 4e4, 1e5, 3e5, 1e6, 1e7, 1e8]  # 2500: the paper's
 
 
-def classifier_rows(model, x):
-    """The classifier's least-squares rows (its inputs with the bias column), in the model's dtype."""
-    index = model.trainable[-1]
-    features = model.forward(x, stop=index, batch_size=FORWARD_BATCH)
-    return model.layers[index].ls_rows(features)
-
-
-def client_eps_scores(model, data, n_classes, M, epses):
+def client_eps_scores(model, data, n_classes, M, epses, run_eps):
     """One client's test predictions' correct counts for each eps, its leave-one-out eps, and checks.
 
     Parameters
@@ -56,6 +48,8 @@ def client_eps_scores(model, data, n_classes, M, epses):
     M : ndarray of shape (d, n_classes)
         The global classifier, the personalization's center.
     epses : sequence of float
+    run_eps : float
+        The eps the run personalized the classifier with.
 
     Returns
     -------
@@ -79,10 +73,11 @@ def client_eps_scores(model, data, n_classes, M, epses):
     def correct(W):
         return int(np.count_nonzero((T64 @ W).argmax(axis=1) == data.y_test))
 
-    counts = [correct(path.solve(eps)) for eps in epses] + [correct(M), correct(path.solve(loo_eps)),
-                                                         correct(path.solve(loo_class_eps))]
+    solutions = {eps: path.solve(eps) for eps in {*epses, run_eps, loo_eps, loo_class_eps}}
+    counts = [correct(solutions[eps]) for eps in epses] + [correct(M), correct(solutions[loo_eps]),
+                                                         correct(solutions[loo_class_eps])]
     saved = model.layers[model.trainable[-1]].weights.astype(np.float64)
-    at_run = path.solve(RUN_EPS)
+    at_run = solutions[run_eps]
     difference = float(np.linalg.norm(at_run - saved) / np.linalg.norm(saved))
     return {"correct": counts, "total": len(data.y_test), "loo_eps": loo_eps, "loo_class_eps": loo_class_eps,
             "saved_difference": difference, "forward_s": forward_s, "path_s": path_s, "rows": list(A.shape)}
@@ -107,13 +102,17 @@ def personal_eps_table(run_folder, epses=EPSES, *, global_model=None, clients=No
     Returns
     -------
     dict: ``accuracy`` (%, one per eps, then eps = inf, then the two leave-one-out choices), ``clients``
-    (the per-client records of :func:`client_eps_scores`) and ``total`` (test images).
+    (the per-client records of :func:`client_eps_scores`), ``total`` (test images) and ``run_eps``.
     """
     run_folder = Path(run_folder)
     settings = json.loads((run_folder / "results.json").read_text())["config"]
     if settings["algorithm"] != "pfedacnnl-wc":
         raise ValueError(f"{run_folder} holds a {settings['algorithm']} run; the table needs pfedacnnl-wc's, "
                          f"whose clients all personalized around one global model")
+    run_eps = settings.get("eps_output") or settings["eps"]  # the classifier's, as the run chose it
+    if isinstance(run_eps, str):
+        raise ValueError(f"{run_folder}'s run personalized its classifier with eps={run_eps!r}; the table checks "
+                         f"each client's saved classifier against a fixed eps (a number)")
     config = RunConfig(**{key: settings[key] for key in RunConfig.__dataclass_fields__ if key in settings})
     dataset = load_dataset(config)
     model, _ = Model.load(run_folder / "model.npz" if global_model is None else global_model)
@@ -126,7 +125,7 @@ def personal_eps_table(run_folder, epses=EPSES, *, global_model=None, clients=No
         if client in done:
             continue
         model, _ = Model.load(run_folder / "personalized" / f"client{client}.npz")
-        record = client_eps_scores(model, dataset.clients[client], dataset.n_classes, M, epses)
+        record = client_eps_scores(model, dataset.clients[client], dataset.n_classes, M, epses, run_eps)
         done[client] = record
         progress(f"client {client}: {record['rows'][0]} rows, {record['total']} test images, loo eps "
                  f"{record['loo_eps']:.4g} (by class errors {record['loo_class_eps']:.4g}), saved classifier "
@@ -136,7 +135,7 @@ def personal_eps_table(run_folder, epses=EPSES, *, global_model=None, clients=No
             Path(json_path).write_text(json.dumps({"epses": list(epses), "clients": done}, indent=1))
     total = sum(r["total"] for r in done.values())
     counts = np.sum([r["correct"] for r in done.values()], axis=0)
-    return {"accuracy": 100.0 * counts / total, "clients": done, "total": total}
+    return {"accuracy": 100.0 * counts / total, "clients": done, "total": total, "run_eps": run_eps}
 
 
 def main(argv=None):
@@ -168,7 +167,7 @@ def main(argv=None):
              f"run's global classifier. Discussion: [fig6_notes.md](fig6_notes.md).", "",
              "| eps | test accuracy (%) |", "|---|---|"]
     for eps, value in zip(EPSES, accuracy):
-        mark = " (the run's)" if eps == RUN_EPS else ""
+        mark = " (the run's)" if eps == table["run_eps"] else ""
         lines.append(f"| {eps:.4g}{mark} | {value:.2f} |")
     lines.append(f"| inf (the global classifier) | {accuracy[len(EPSES)]:.2f} |")
     lines.append(f"| each client's leave-one-out eps (median {np.median(loo):.4g}, range {loo.min():.3g} - "
