@@ -206,6 +206,11 @@ def curve_trend(curves):
     return float(np.mean(first)), float(np.mean(best))
 
 
+def spread(values):
+    """The std over seeds (ddof = 0) as the table prints it; "-" for one seed, whose std says nothing."""
+    return f"{np.std(values):.2f}" if len(values) > 1 else "-"
+
+
 def render(runs, cells, seeds, command):
     lines = [
         "# Table 2 measured here vs the paper",
@@ -226,7 +231,7 @@ def render(runs, cells, seeds, command):
                 values = cell["accuracy"]
                 budget = f", {cell['rounds']} rounds" if algorithm in BASELINES else ""
                 seeds_note = f", {len(values)} seed{'s' * (len(values) > 1)}" if len(values) != seeds else ""
-                row.append(f"{np.mean(values):.2f} ({np.std(values):.2f}{budget}{seeds_note}) [{paper:.2f}]")
+                row.append(f"{np.mean(values):.2f} ({spread(values)}{budget}{seeds_note}) [{paper:.2f}]")
             else:
                 row.append(f"not run [{paper:.2f}]")
         lines.append(f"| {setting} | " + " | ".join(row) + " |")
@@ -240,7 +245,7 @@ def render(runs, cells, seeds, command):
                 state = "rising" if best - first > 0.5 else "flat"
                 ours = cells.get(cell_key(setting, "pfedacnnl"), {"accuracy": []})["accuracy"]
                 paired = np.subtract(ours[:len(cell["accuracy"])], cell["accuracy"][:len(ours)])
-                margin = f"{paired.mean():+.2f} ({paired.std():.2f})" if paired.size else "-"
+                margin = f"{paired.mean():+.2f} ({spread(paired)})" if paired.size else "-"
                 trend_rows.append(f"| {setting} | {algorithm} | {cell['rounds']} | {per_round:.1f} | "
                                   f"{first:.2f} | {best:.2f} | {state} | {margin} |")
     if trend_rows:

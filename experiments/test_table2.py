@@ -27,6 +27,17 @@ def test_curve_trend_compares_halves_of_the_budget():
     assert table2.curve_trend([[[1, 42.0]]]) == (42.0, 42.0)
 
 
+def test_one_seed_of_several_prints_no_std():
+    """A cell with one seed so far says so and prints "-" for its std, and so does its paired margin."""
+    cells = {"synthetic-dnn-pfedzo": {"accuracy": [86.19], "curves": [[[1, 80.0], [2, 86.19]]], "minutes": [1.0],
+                                      "rounds": 2},
+             "synthetic-dnn-pfedacnnl": {"accuracy": [89.59, 91.0, 92.0], "curves": [], "minutes": [1.0] * 3}}
+    report = table2.render([], cells, 3, "cmd")
+    assert "86.19 (-, 2 rounds, 1 seed) [89.05]" in report
+    assert "| synthetic-dnn | pfedzo | 2 |" in report and "| +3.40 (-) |" in report
+    assert "90.86 (0.99) [90.00]" in report
+
+
 def test_split_runs_merge_into_one_table(tmp_path):
     """Two short runs on disjoint cells, merged: every cell and both commands appear, nothing runs twice."""
     first, second = tmp_path / "a.json", tmp_path / "b.json"
