@@ -172,7 +172,7 @@ def progress(cells, seeds, checkpoints):
     """Lines of markdown: each baseline cell's seeds so far, then the cells in progress in ``checkpoints``.
 
     A complete cell (``seeds`` seeds) adds its mean and std over seeds
-    (``np.std``, ddof = 0, as the table); minutes are the cell's wall time.
+    (``np.std``, ddof = 0, "-" for one seed, as the table); minutes are the cell's wall time.
     """
     lines = []
     for key, cell in cells.items():
@@ -181,7 +181,7 @@ def progress(cells, seeds, checkpoints):
         accuracy = cell["accuracy"]
         done = f"{len(accuracy)} of {seeds} seeds"
         if len(accuracy) >= seeds:
-            done += f"; mean {np.mean(accuracy):.2f} (std {np.std(accuracy):.2f})"
+            done += f"; mean {np.mean(accuracy):.2f} (std {spread(accuracy)})"
         lines.append(f"- {key}: {', '.join(f'{a:.2f}' for a in accuracy)} "
                      f"({done}; {sum(cell['minutes']):.0f} min in all)")
     # Only the names run_cells gives its checkpoints: other scripts (fig45.py) share the folder.
