@@ -70,7 +70,7 @@ from fedlayer.checkpoint import Checkpointing, load_checkpoint
 from fedlayer.client import personalization_costs, target_bases
 from fedlayer.models import DCNN_PADDINGS, Conv2d, build_model
 from fedlayer.options import ROUND_ACCURACIES, SERVER_SOLVES
-from fedlayer.cli import _flag_type  # fedlayer run's parsing of a RunConfig flag
+from fedlayer.cli import flag_type
 from fedlayer.run import CONFIG_CONSTRAINTS, RunConfig, load_dataset, run
 from fedlayer.server import ServerState
 from fedlayer.timing import time_summary
@@ -629,7 +629,7 @@ def main():
     parser.add_argument("--round-accuracy", choices=ROUND_ACCURACIES, default="network",
                         help="what rounds 1-4 score (fedlayer run --round-accuracy): the network, or the layer's "
                              "label-code readout, which needs that layer's forward pass of the test split alone")
-    parser.add_argument("--eps-output", type=_flag_type(CONFIG_CONSTRAINTS["eps_output"], "eps_output"), default=None,
+    parser.add_argument("--eps-output", type=flag_type(CONFIG_CONSTRAINTS["eps_output"], "eps_output"), default=None,
                         help="the classifier's personalization eps where it differs from the paper's 2500: a number, "
                              "auto, or inf (each client keeps its group's classifier)")
     parser.add_argument("--name", default="fig6", help="the report's file names: NAME.md, NAME_accuracy.png")

@@ -15,15 +15,17 @@ import contextlib
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from ._validation import Interval, Options, parse_text
+from ._validation import Constraints, Interval, Options, parse_text
 from .algorithms import ALGORITHMS
 from .run import CONFIG_CONSTRAINTS, RunConfig
 
-__all__ = ["main"]
+__all__ = ["flag_type", "main"]
 
 _MPI_DEADLINE = [Interval(float, 0, None, closed="neither")]
 
@@ -46,10 +48,24 @@ def _hyper_items(text):
     return items
 
 
-def _flag_type(constraints, metavar):
-    """An argparse type parsing a flag's text under ``constraints`` (argparse names the flag)."""
+def flag_type(constraints: Constraints, metavar: str) -> Callable[[str], Any]:
+    """An argparse ``type`` parsing a flag's text under ``constraints``, as ``fedlayer run`` parses its flags.
 
-    def parse(text):
+    Parameters
+    ----------
+    constraints : list
+        What the value may be, e.g. ``CONFIG_CONSTRAINTS["eps_output"]`` for a RunConfig field.
+    metavar : str
+        The value's name in argparse's messages.
+
+    Returns
+    -------
+    callable
+        ``str -> value``; raises ``argparse.ArgumentTypeError`` naming what was expected, and argparse
+        names the flag.
+    """
+
+    def parse(text: str) -> Any:
         try:
             return parse_text(text, constraints)
         except ValueError as err:
@@ -71,7 +87,7 @@ def _run_parser(sub):
         # Choices only for flags that are nothing but a list of options (gamma is a number or "auto").
         options = constraints[0].values if len(constraints) == 1 and isinstance(constraints[0], Options) else None
         if field.name == "cores":
-            p.add_argument(flag, type=_flag_type(constraints, "cores"), default=None, metavar="N[,N...]",
+            p.add_argument(flag, type=flag_type(constraints, "cores"), default=None, metavar="N[,N...]",
                            help="comma-separated cores per client, cycled, each at most the cores this process "
                                 "may run on (default: random 1..available per seed)")
         elif field.name == "hyper":
@@ -84,10 +100,10 @@ def _run_parser(sub):
             p.add_argument(flag, choices=options, default=None, help=f"one of %(choices)s (default {default})")
         else:
             accepted = " or ".join(str(c) for c in constraints if c is not None)
-            p.add_argument(flag, type=_flag_type(constraints, field.name), default=None,
+            p.add_argument(flag, type=flag_type(constraints, field.name), default=None,
                            help=f"{accepted} (default {default})")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
-    p.add_argument("--mpi-deadline", type=_flag_type(_MPI_DEADLINE, "seconds"), default=600.0,
+    p.add_argument("--mpi-deadline", type=flag_type(_MPI_DEADLINE, "seconds"), default=600.0,
                    help="under mpiexec: longest wait (s) for a rank's next result before aborting (default 600)")
     return p
 
@@ -450,9 +466,9 @@ def main(argv: list[str] | None = None, *, mpi_hooks: object | None = None) -> i
     p.add_argument("model", help="a model .npz file or a directory of them")
     p.add_argument("--dataset", choices=CONFIG_CONSTRAINTS["dataset"][0].values, default=None,
                    help="the dataset, for model files that record no split (default: the saved one)")
-    p.add_argument("--clients", type=_flag_type(CONFIG_CONSTRAINTS["clients"], "clients"), default=None,
+    p.add_argument("--clients", type=flag_type(CONFIG_CONSTRAINTS["clients"], "clients"), default=None,
                    help="the number of clients, for model files that record no split (default: the saved one)")
-    p.add_argument("--seed", type=_flag_type(CONFIG_CONSTRAINTS["seed"], "seed"), default=None,
+    p.add_argument("--seed", type=flag_type(CONFIG_CONSTRAINTS["seed"], "seed"), default=None,
                    help="the split seed, for model files that record no split (default: the saved one)")
     p.add_argument("--data-dir", default=None)
     args, unknown = parser.parse_known_args(argv)

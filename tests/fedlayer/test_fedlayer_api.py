@@ -39,6 +39,7 @@ MODULES = [
     "fedlayer.mpi.worker",
     "fedlayer.algorithms",
     "fedlayer.checkpoint",
+    "fedlayer.cli",
     "fedlayer.client",
     "fedlayer.messages",
     "fedlayer.options",
